@@ -1,0 +1,57 @@
+# ott-gguf: the two commands of the README are `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+PIP     := $(VENV)/bin/pip
+BIN     := $(VENV)/bin
+LCP     := llama-cpp-python==0.3.36
+APT_BUILD := g++ cmake ninja-build patch python3-venv
+APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_PROGRESS_BAR=off
+
+.PHONY: install demo test models lint apt-build apt-test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Debian packages: compilers for the build; an aarch64 cross compiler and qemu-user for the NEON tests
+define apt_ensure
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+endef
+apt-build:
+	$(call apt_ensure,$(APT_BUILD))
+apt-test:
+	$(call apt_ensure,$(APT_TEST))
+
+# llama-cpp-python is installed as the Python layer only (LLAMA_BUILD=OFF): llama.cpp is compiled once,
+# patched, by this project's CMakeLists.txt, and installed into ott_gguf/lib and ott_gguf/bin.
+install: apt-build $(BIN)/python
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) install -q "$(LCP)"
+	$(PIP) install -q "scikit-build-core>=0.10" "jinja2>=3.1"
+	@echo "building the patched llama.cpp (about 5 minutes on 2 cores the first time)"
+	$(PIP) install -q --no-build-isolation $(PIP_INSTALL_ARGS) .
+
+models: install
+	$(BIN)/ott-gguf models
+
+demo: install
+	$(BIN)/ott-gguf generate --kv-type q8_0 "Explain in two sentences why the sky is blue."
+
+lint: $(BIN)/python
+	$(PIP) install -q "ruff>=0.6"
+	$(BIN)/ruff check ott_gguf tests gen models native
+	$(BIN)/ruff format --check ott_gguf tests gen models native
+
+test: install apt-test lint
+	$(PIP) install -q "pytest>=8" "hypothesis>=6.100"
+	$(BIN)/ott-gguf models
+	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf build $(VENV)

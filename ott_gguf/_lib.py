@@ -1,0 +1,98 @@
+"""Locate ott-gguf's patched llama.cpp build and make llama-cpp-python load it.
+
+llama-cpp-python is installed without its own native build; it loads libllama from LLAMA_CPP_LIB_PATH,
+which this module points at the libraries installed inside this package, before llama_cpp is imported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from functools import cache
+from pathlib import Path
+
+PKG_DIR = Path(__file__).resolve().parent
+LIB_DIR = PKG_DIR / "lib"
+BIN_DIR = PKG_DIR / "bin"
+_SUFFIX = ".dylib" if sys.platform == "darwin" else ".so"
+
+
+class NativeLibraryError(ImportError):
+    """The patched native build is missing, or a different libllama was loaded."""
+
+
+def lib_path(name: str) -> Path:
+    """Path of an installed shared library, e.g. lib_path('ggml-base')."""
+    p = LIB_DIR / f"lib{name}{_SUFFIX}"
+    if not p.exists():
+        raise NativeLibraryError(
+            f"{p} is missing: ott_gguf's native build is not installed. Install the project with "
+            "`make install` (or see README.md), which compiles the patched llama.cpp into the package."
+        )
+    return p
+
+
+def bin_path(name: str) -> Path:
+    p = BIN_DIR / name
+    if not p.exists():
+        raise NativeLibraryError(f"{p} is missing: reinstall ott-gguf (`make install`)")
+    return p
+
+
+def build_info() -> dict[str, object]:
+    """What the native build was made from (written by CMakeLists.txt)."""
+    return json.loads((PKG_DIR / "ott-build.json").read_text())
+
+
+@cache
+def llama_cpp_module():  # -> module
+    """Import llama_cpp bound to our libllama; refuse a stock libllama loaded earlier."""
+    ours = lib_path("llama")
+    if "llama_cpp" not in sys.modules:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+    import llama_cpp
+    import llama_cpp.llama_cpp as raw
+
+    if not hasattr(raw._lib, "llama_ott_build_info"):
+        loaded = getattr(raw._lib, "_name", "?")
+        raise NativeLibraryError(
+            f"llama_cpp has loaded a libllama without ott-gguf's patches ({loaded}); ours is {ours}. "
+            "Import ott_gguf before llama_cpp, or set LLAMA_CPP_LIB_PATH to that directory."
+        )
+    return llama_cpp
+
+
+def loaded_library_path() -> str:
+    """File name of the libllama that llama_cpp loaded."""
+    return str(llama_cpp_module().llama_cpp._lib._name)
+
+
+def llama_ott_build_info() -> str:
+    fn = llama_cpp_module().llama_cpp._lib.llama_ott_build_info
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    return fn().decode()
+
+
+# native/patches/0001-ggml-ott2-type.patch appends GGML_TYPE_OTT2 = 43 (GGML_TYPE_COUNT becomes 44)
+GGML_TYPE_OTT2 = 43
+
+
+@cache
+def ggml_type_ids() -> dict[str, int]:
+    """Every ggml type name of the loaded build -> its id, read from the library itself."""
+    lib = llama_cpp_module().llama_cpp._lib  # dlsym on it also finds libggml-base's symbols
+    fn = lib.ggml_type_name
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = [ctypes.c_int]
+    out: dict[str, int] = {}
+    for i in range(GGML_TYPE_OTT2 + 1):  # ggml_type_name does not range-check in release builds
+        raw = fn(i)
+        name = raw.decode() if raw else ""
+        if name and name != "DEPRECATED":
+            out[name] = i
+    if out.get("ott2") != GGML_TYPE_OTT2:
+        raise NativeLibraryError(f"the loaded ggml has no ott2 type at id {GGML_TYPE_OTT2}: not ott-gguf's build")
+    return out

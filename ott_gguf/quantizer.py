@@ -1,0 +1,161 @@
+"""The ott quantizer of spec/ott2-algorithm.md in numpy: the oracle for every generated kernel.
+
+Arithmetic (float32 throughout, the same operations in the same order as gen/templates/ott_arith.j2):
+    dh = fp16((max - min) / nlev)        mh = fp16(min + 0)
+    d, m = float32(dh), float32(mh)      id = 1/d if d != 0 else 0
+    code = clip(round_half_even((x - m) * id), 0, nlev)
+    x_hat = m + d * code                 (two roundings: a multiply, then an add)
+Codes are chosen against the stored fp16 scale and min, so x_hat is what the code aimed at. A group whose
+range is 0 (or rounds to a zero fp16 scale) gets scale 0 and codes 0, never NaN.
+
+Block layout (bytes): fp16 d, fp16 m, then the code planes. Codes of `bits` bits are split into planes of
+2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided: element j is
+in byte j % nbytes at bit w * (j // nbytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PLANE_WIDTHS = {2: (2,), 3: (2, 1), 4: (4,)}
+QK8_1 = 32
+
+
+@dataclass(frozen=True)
+class Plane:
+    width: int
+    shift: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    bits: int
+    group: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in PLANE_WIDTHS:
+            raise ValueError(f"bits must be one of {sorted(PLANE_WIDTHS)}, got {self.bits}")
+        if self.group <= 0 or self.group % QK8_1:
+            raise ValueError(f"group must be a positive multiple of {QK8_1}, got {self.group}")
+
+    @property
+    def nlev(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def planes(self) -> tuple[Plane, ...]:
+        out, shift = [], 0
+        for w in PLANE_WIDTHS[self.bits]:
+            out.append(Plane(w, shift, self.group * w // 8))
+            shift += w
+        return tuple(out)
+
+    @property
+    def block_bytes(self) -> int:
+        return 4 + sum(p.nbytes for p in self.planes)
+
+
+@dataclass
+class Quantized:
+    """Groups along the last axis: codes (..., group) uint8, d and m (...,) float16."""
+
+    codes: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+
+
+def quantize(x: np.ndarray, fmt: BlockFormat) -> Quantized:
+    """Quantize float32 values in groups of fmt.group along the last axis (its length must divide)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % fmt.group:
+        raise ValueError(f"last axis ({x.shape[-1]}) is not a multiple of the group ({fmt.group})")
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // fmt.group, fmt.group)
+    mn = g.min(axis=-1)
+    mx = g.max(axis=-1)
+    dh = ((mx - mn) / np.float32(fmt.nlev)).astype(np.float16)
+    mh = (mn + np.float32(0.0)).astype(np.float16)
+    d = dh.astype(np.float32)
+    m = mh.astype(np.float32)
+    safe = np.where(d != 0, d, np.float32(1.0))
+    inv = np.where(d != 0, np.float32(1.0) / safe, np.float32(0.0)).astype(np.float32)
+    v = (g - m[..., None]) * inv[..., None]
+    codes = np.clip(np.rint(v), 0, fmt.nlev).astype(np.uint8)
+    return Quantized(codes=codes, d=dh, m=mh)
+
+
+def dequantize(q: Quantized) -> np.ndarray:
+    """x_hat = m + d * code in float32, flattened back to the input's last axis."""
+    d = q.d.astype(np.float32)[..., None]
+    m = q.m.astype(np.float32)[..., None]
+    prod = (d * q.codes.astype(np.float32)).astype(np.float32)
+    out = (m + prod).astype(np.float32)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
+def pack(q: Quantized, fmt: BlockFormat) -> np.ndarray:
+    """Blocks as bytes, shape (n_blocks, block_bytes), in the generated C layout."""
+    codes = q.codes.reshape(-1, fmt.group)
+    nb = codes.shape[0]
+    parts = [q.d.reshape(nb, 1).view(np.uint8), q.m.reshape(nb, 1).view(np.uint8)]
+    for p in fmt.planes:
+        per = 8 // p.width
+        vals = ((codes >> p.shift) & ((1 << p.width) - 1)).reshape(nb, per, p.nbytes).astype(np.uint16)
+        byte = np.zeros((nb, p.nbytes), dtype=np.uint16)
+        for k in range(per):
+            byte |= vals[:, k, :] << (p.width * k)
+        parts.append(byte.astype(np.uint8))
+    return np.concatenate([a.reshape(nb, -1) for a in parts], axis=1)
+
+
+def unpack(blocks: np.ndarray, fmt: BlockFormat) -> Quantized:
+    """Inverse of pack: (n_blocks, block_bytes) uint8 -> Quantized with (n_blocks, group) codes."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, fmt.block_bytes)
+    nb = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(nb)
+    m = blocks[:, 2:4].copy().view(np.float16).reshape(nb)
+    codes = np.zeros((nb, fmt.group), dtype=np.uint8)
+    off = 4
+    for p in fmt.planes:
+        raw = blocks[:, off : off + p.nbytes]
+        per = 8 // p.width
+        for k in range(per):
+            vals = (raw >> (p.width * k)) & ((1 << p.width) - 1)
+            codes[:, k * p.nbytes : (k + 1) * p.nbytes] |= (vals << p.shift).astype(np.uint8)
+        off += p.nbytes
+    return Quantized(codes=codes, d=d, m=m)
+
+
+def quantize_q8_1(y: np.ndarray) -> np.ndarray:
+    """Blocks in ggml's q8_1 layout (fp16 d, fp16 s = d*sum(qs), 32 int8), shape (n/32, 36). Ties round to even
+    here (ggml rounds them away from zero); the dot kernels take whatever blocks they are given."""
+    y = np.asarray(y, dtype=np.float32).reshape(-1, QK8_1)
+    amax = np.abs(y).max(axis=1)
+    d = amax / np.float32(127.0)
+    inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    qs = np.clip(np.round(y * inv[:, None]), -127, 127).astype(np.int8)
+    s = (qs.astype(np.int32).sum(axis=1).astype(np.float32) * d).astype(np.float16)
+    out = np.zeros((y.shape[0], 4 + QK8_1), dtype=np.uint8)
+    out[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = s.reshape(-1, 1).view(np.uint8)
+    out[:, 4:] = qs.view(np.uint8)
+    return out
+
+
+def vec_dot_q8_1(blocks: np.ndarray, q8: np.ndarray, fmt: BlockFormat) -> tuple[float, float]:
+    """Exact (float64) value of what the kernels compute for a dot with q8_1 blocks, and the sum of the
+    magnitudes of its terms (the scale for an fp32 tolerance): per q8_1 block, d*dy*sum(c*q) + m*s."""
+    q = unpack(blocks, fmt)
+    q8 = np.ascontiguousarray(q8, dtype=np.uint8).reshape(-1, 4 + QK8_1)
+    dy = q8[:, 0:2].copy().view(np.float16).astype(np.float64).reshape(-1)
+    sy = q8[:, 2:4].copy().view(np.float16).astype(np.float64).reshape(-1)
+    qs = q8[:, 4:].copy().view(np.int8).astype(np.int64)
+    sub = fmt.group // QK8_1
+    codes = q.codes.reshape(-1, QK8_1).astype(np.int64)
+    isum = (codes * qs).sum(axis=1).astype(np.float64)
+    d = np.repeat(q.d.astype(np.float64), sub)
+    m = np.repeat(q.m.astype(np.float64), sub)
+    terms = np.concatenate([d * dy * isum, m * sy])
+    return float(terms.sum()), float(np.abs(terms).sum())

@@ -1,0 +1,154 @@
+"""Generated quantize/dequantize/vec_dot kernels vs the numpy quantizer of the spec, for every ISA this
+machine runs (x86: scalar, AVX2, AVX-512) and every generated config (2-, 3- and 4-bit), plus the ott2
+ggml type as the patched ggml runs it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from ott_gguf import build_info
+from ott_gguf import quantizer as Q
+from ott_gguf.native import ggml_ott2, kernels
+
+from helpers import make_inputs
+
+K = kernels()
+CASES = [(b, g, isa) for (b, g) in K.configs for isa in K.isas]
+GGML_TYPE_Q8_1 = 9
+
+
+def kset(bits: int, group: int, isa: str):
+    if not K.cpu_supports(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    return K.get(bits, group, isa)
+
+
+@pytest.mark.parametrize("bits,group,isa", CASES)
+def test_quantize_is_bit_exact(bits: int, group: int, isa: str) -> None:
+    ks = kset(bits, group, isa)
+    fmt = Q.BlockFormat(bits, group)
+    x = make_inputs(np.random.default_rng(bits * 1000 + group), group)
+    got = ks.quantize(x)
+    want = Q.pack(Q.quantize(x, fmt), fmt)
+    assert got.shape == want.shape
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert bad.size == 0, f"{isa} b{bits}g{group}: blocks differ at {bad[:8]}: {got[bad[0]]} vs {want[bad[0]]}"
+
+
+@pytest.mark.parametrize("bits,group,isa", CASES)
+def test_dequantize_is_exact(bits: int, group: int, isa: str) -> None:
+    ks = kset(bits, group, isa)
+    fmt = Q.BlockFormat(bits, group)
+    x = make_inputs(np.random.default_rng(7 + bits + group), group)
+    blocks = Q.pack(Q.quantize(x, fmt), fmt)
+    got = ks.dequantize(blocks)
+    want = Q.dequantize(Q.unpack(blocks, fmt)).reshape(-1)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("bits,group,isa", CASES)
+def test_vec_dot_q8_1_within_fp32_tolerance(bits: int, group: int, isa: str) -> None:
+    ks = kset(bits, group, isa)
+    fmt = Q.BlockFormat(bits, group)
+    rng = np.random.default_rng(11 * bits + group)
+    for _ in range(20):
+        n = group * int(rng.integers(1, 9))
+        x = (rng.standard_normal(n) * rng.uniform(0.01, 10)).astype(np.float32)
+        y = (rng.standard_normal(n) * rng.uniform(0.01, 10)).astype(np.float32)
+        blocks = Q.pack(Q.quantize(x, fmt), fmt)
+        q8 = Q.quantize_q8_1(y)
+        want, mag = Q.vec_dot_q8_1(blocks, q8, fmt)
+        got = ks.vec_dot_q8_1(blocks, q8)
+        assert abs(got - want) <= 1e-5 * mag + 1e-7, (got, want, mag)
+
+
+@pytest.mark.parametrize("bits,group,isa", CASES)
+def test_constant_group_gives_scale_zero(bits: int, group: int, isa: str) -> None:
+    ks = kset(bits, group, isa)
+    fmt = Q.BlockFormat(bits, group)
+    x = np.full(4 * group, 3.14159, dtype=np.float32)
+    x[group : 2 * group] = 0.0
+    x[2 * group : 3 * group] = -65000.0
+    blocks = ks.quantize(x)
+    q = Q.unpack(blocks, fmt)
+    assert (q.d.view(np.uint16) == 0).all() and (q.codes == 0).all()
+    out = ks.dequantize(blocks)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, x.astype(np.float16).astype(np.float32))
+
+
+finite = st.floats(min_value=-3e4, max_value=3e4, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_property_every_isa_matches_numpy(data: st.DataObject) -> None:
+    bits, group = data.draw(st.sampled_from(K.configs))
+    fmt = Q.BlockFormat(bits, group)
+    nblocks = data.draw(st.integers(1, 4))
+    x = data.draw(hnp.arrays(np.float32, nblocks * group, elements=finite))
+    want = Q.pack(Q.quantize(x, fmt), fmt)
+    recon = Q.dequantize(Q.unpack(want, fmt)).reshape(-1)
+    for isa in K.isas:
+        if not K.cpu_supports(isa):
+            continue
+        ks = K.get(bits, group, isa)
+        np.testing.assert_array_equal(ks.quantize(x), want)
+        np.testing.assert_array_equal(ks.dequantize(want).view(np.uint32), recon.view(np.uint32))
+
+
+def test_quantization_error_is_bounded() -> None:
+    """|x - x_hat| <= d/2 (+ fp16 rounding of min) for every value: the codes really are nearest."""
+    rng = np.random.default_rng(3)
+    for bits in (2, 3, 4):
+        fmt = Q.BlockFormat(bits, 64)
+        x = rng.standard_normal(64 * 200).astype(np.float32)
+        q = Q.quantize(x, fmt)
+        err = np.abs(Q.dequantize(q) - x).reshape(-1, 64)
+        d = q.d.astype(np.float32).reshape(-1, 1)
+        mn = x.reshape(-1, 64).min(axis=1, keepdims=True)
+        slack = np.abs(q.m.astype(np.float32).reshape(-1, 1) - mn) + 1e-6
+        assert (err <= d / 2 + slack + d * 1e-3).all()
+
+
+def test_machine_runs_the_simd_isas() -> None:
+    """The x86 CI machine has AVX2 and AVX-512: those variants must have been tested above, not skipped."""
+    import platform
+
+    if platform.machine() == "x86_64":
+        assert K.isas == ["avx2", "avx512", "scalar"]
+        assert K.cpu_supports("avx2") and K.cpu_supports("avx512")
+
+
+# --- the ott2 ggml type inside the patched ggml -----------------------------------------------------
+
+
+def test_ggml_type_traits_describe_ott2() -> None:
+    g = ggml_ott2()
+    group = int(build_info()["ott2_group"])
+    assert g.name == "ott2"
+    assert g.group == group
+    assert g.block_bytes == Q.BlockFormat(2, group).block_bytes
+    assert g.vec_dot_type == GGML_TYPE_Q8_1
+
+
+def test_ggml_ott2_matches_numpy() -> None:
+    g = ggml_ott2()
+    fmt = Q.BlockFormat(2, g.group)
+    x = make_inputs(np.random.default_rng(99), g.group, nblocks=96)
+    want = Q.pack(Q.quantize(x, fmt), fmt)
+    np.testing.assert_array_equal(g.quantize_ref(x), want)
+    np.testing.assert_array_equal(g.quantize_cpu(x), want)
+    np.testing.assert_array_equal(g.quantize_chunk(x, n_per_row=4 * g.group), want)
+    recon = Q.dequantize(Q.unpack(want, fmt)).reshape(-1)
+    np.testing.assert_array_equal(g.dequantize(want).view(np.uint32), recon.view(np.uint32))
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal(x.size).astype(np.float32)
+    q8 = Q.quantize_q8_1(y)
+    want_dot, mag = Q.vec_dot_q8_1(want, q8, fmt)
+    assert abs(g.vec_dot(want, q8) - want_dot) <= 1e-5 * mag
