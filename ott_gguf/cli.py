@@ -39,9 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import server_command
 
     path = _model_path(args.model)
-    extra = list(args.extra)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
+    extra = list(args.passthrough)
     cmd = server_command(path, kv_type=args.kv_type, host=args.host, port=args.port, extra=extra)
     print(f"ott-gguf: serving {path.name} with kv_type={args.kv_type} at http://{args.host}:{args.port}", flush=True)
     os.execv(cmd[0], cmd)
@@ -79,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     g.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("serve", help="run the patched llama-server (OpenAI-compatible)")
+    s = sub.add_parser(
+        "serve", help="run the patched llama-server (OpenAI-compatible); flags after -- go to llama-server"
+    )
     s.add_argument("model", help="GGUF path or a known model name")
     s.add_argument("--kv-type", default="f16")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags passed to llama-server as they are")
     s.set_defaults(fn=cmd_serve)
 
     m = sub.add_parser("models", help="fetch the test models into the cache and print their paths")
@@ -94,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-info", help="what native build is installed and loaded")
     b.set_defaults(fn=cmd_build_info)
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after -- goes to llama-server as it is
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1 :]
     args = ap.parse_args(argv)
+    args.passthrough = passthrough
     try:
         return int(args.fn(args))
     except (ValueError, NotImplementedError, FileNotFoundError) as e:

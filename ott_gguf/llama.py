@@ -52,6 +52,11 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             **kwargs,
         )
 
+    def close(self) -> None:
+        # __init__ may have refused the arguments before the stock class set anything up
+        if "_stack" in self.__dict__:
+            super().close()
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state.pop("type_k", None)

@@ -47,9 +47,10 @@ def test_q8_0_follows_f16(smollm2: Path) -> None:
 
 
 def test_gemma3_generates(gemma3: Path) -> None:
+    """Gemma 3 (sliding-window layers, head dim 256) with a quantized cache continues a sequence correctly."""
     llm = Llama(str(gemma3), kv_type="q8_0", n_ctx=512, n_threads=2, verbose=False)
-    text = greedy(llm, "The capital of France is", n=12)
-    assert "Paris" in text, text
+    assert greedy(llm, "Monday, Tuesday, Wednesday,", n=8).split()[:2] == ["Thursday,", "Friday,"]
+    assert "France" in greedy(llm, "Paris is the capital of", n=4)
 
 
 def test_unknown_kv_type_lists_valid_choices(smollm2: Path) -> None:
