@@ -1,0 +1,540 @@
+"""The ott2 KV cache of spec/ott2-algorithm.md in numpy: the oracle the native C/CUDA cache is compared against.
+
+Readable first: this module is the specification in code. Everything is per (sequence, layer, KV head) unless
+said otherwise, and mirrors llama.cpp: K/V arrive ubatch by ubatch, are rounded to fp16 (the cache is fp16, like
+llama.cpp's f16 cache), the ubatch attends with its own tokens in full precision, then every group that became
+eligible is sealed, in order.
+
+Exact definitions where the spec leaves the arithmetic open (the native code must use the same to match
+field by field):
+- Score: S = sum_c |K_c| over the fp16 key, computed exactly (fp64 is exact for fp16 inputs and D < 8192) and
+  rounded once to fp32. The result does not depend on the summation order, so a tree reduction on a GPU and a
+  sequential loop on a CPU agree when they also sum exactly (fp64, or integers in units of 2^-24).
+- Winners: a stable sort on (score, position); ties go to the earlier position.
+- Placeholder value: the per-channel mean of the group's non-outlier tokens (or of all its tokens with
+  mean="all"), the exact mean rounded once to fp16, written over the winners' K and V in the fp16 group before
+  it is quantized (the group lives in the fp16 tail).
+- Quantization: ott_gguf.quantizer, keys channel-wise (one group of G tokens per channel), values token-wise
+  (groups of Gv channels).
+
+Semantics chosen where the spec is silent (documented again on the methods):
+- seq_rm(seq, p0) removes positions >= p0. Sealed groups entirely below p0 stay sealed (even when they are now
+  within R of the end). A sealed group cut by p0 is unsealed: its remaining tokens return to the fp16 tail as
+  what they were served as (pooled tokens: their exact fp16 K/V, leaving the pools; the others: their dequantized
+  values rounded to fp16). Later groups and the tail beyond p0 are dropped, pool entries at or after the first
+  unsealed position are removed, the remaining pool entries keep their scores and the tracing flag is unchanged.
+  p0 <= 0 clears the sequence completely (tracing back on).
+- Sealed state does not depend on how a prompt is split into ubatches: sealing a group depends only on its
+  tokens and on the pools left by the groups before it, so the state after n positions is a function of the
+  fp16 inputs and of the number of sealed groups, which is floor((pos_max + 1 - R) / G) at the last ubatch.
+  A query's output depends only on the number of groups sealed before its ubatch.
+- Layers with outlier_num = 0 never touch their pools or tracing flag (which stays on).
+- Pools are kept sorted by position: a canonical order, so native slot arrays compare after sorting by position.
+- Under the identity quantizer a sealed group stores zero codes, scales and mins, and k_hat/v_hat are its fp16
+  values (placeholders included, which are never served).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from .quantizer import BlockFormat, Quantized, dequantize, quantize
+
+MeanMode = Literal["non_outlier", "all"]
+
+
+@dataclass(frozen=True)
+class OttConfig:
+    """Parameters of spec/ott2-algorithm.md. outlier_num = 0 is the KIVI-2 baseline ("kivi2").
+
+    mean: "non_outlier" (the spec's decision) or "all" (the paper's wording) for the placeholder value.
+    identity: quantization switched off (x_hat = x; codes, scales and mins are stored as zeros). Everything else
+    (scores, pools, placeholders, sealing) runs unchanged, so the output must equal dense attention.
+    """
+
+    bits: int = 2
+    G: int = 128
+    R: int = 32
+    Gv: int = 64
+    outlier_num: int = 3
+    aux_cap: int = 32
+    no_outlier_layers: int = 2
+    mean: MeanMode = "non_outlier"
+    identity: bool = False
+
+    def __post_init__(self) -> None:
+        # BlockFormat checks bits and that both group sizes are positive multiples of 32
+        BlockFormat(self.bits, self.G)
+        BlockFormat(self.bits, self.Gv)
+        if self.R < 0:
+            raise ValueError(f"R must be >= 0, got {self.R}")
+        if not 0 <= self.outlier_num < self.G:
+            # a group must keep at least one non-outlier token to define the placeholder mean
+            raise ValueError(f"outlier_num must be in [0, G), got {self.outlier_num}")
+        if self.aux_cap < 0 or self.no_outlier_layers < 0:
+            raise ValueError("aux_cap and no_outlier_layers must be >= 0")
+        if self.mean not in ("non_outlier", "all"):
+            raise ValueError(f"mean must be 'non_outlier' or 'all', got {self.mean!r}")
+
+    @classmethod
+    def kivi2(cls, **kwargs: Any) -> OttConfig:
+        """The KIVI-2 baseline with OTT's G/R schedule: no outlier pools anywhere."""
+        return cls(outlier_num=0, **kwargs)
+
+    def outliers_for_layer(self, layer: int) -> int:
+        """Outlier pool capacity of a layer: the first no_outlier_layers layers have none."""
+        return 0 if layer < self.no_outlier_layers else self.outlier_num
+
+    @property
+    def k_format(self) -> BlockFormat:
+        return BlockFormat(self.bits, self.G)
+
+    @property
+    def v_format(self) -> BlockFormat:
+        return BlockFormat(self.bits, self.Gv)
+
+
+# ----------------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Pool:
+    """Outlier or aux pool: exact fp16 K and V, position and fp32 score per token, kept sorted by position."""
+
+    pos: np.ndarray  # (n,) int64, ascending
+    k: np.ndarray  # (n, D) float16
+    v: np.ndarray  # (n, D) float16
+    score: np.ndarray  # (n,) float32
+
+    @staticmethod
+    def empty(head_dim: int) -> Pool:
+        return Pool(
+            pos=np.zeros(0, np.int64),
+            k=np.zeros((0, head_dim), np.float16),
+            v=np.zeros((0, head_dim), np.float16),
+            score=np.zeros(0, np.float32),
+        )
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def take(self, idx: np.ndarray) -> Pool:
+        """The entries at idx (indices or a boolean mask), re-sorted by position."""
+        pos = self.pos[idx]
+        order = np.argsort(pos, kind="stable")
+        return Pool(pos=pos[order], k=self.k[idx][order], v=self.v[idx][order], score=self.score[idx][order])
+
+    def merged(self, other: Pool) -> Pool:
+        both = Pool(
+            pos=np.concatenate([self.pos, other.pos]),
+            k=np.concatenate([self.k, other.k]),
+            v=np.concatenate([self.v, other.v]),
+            score=np.concatenate([self.score, other.score]),
+        )
+        return both.take(np.arange(len(both)))
+
+
+@dataclass
+class SealedGroup:
+    """Group `index`, positions [index*G, (index+1)*G), as stored after sealing."""
+
+    index: int
+    k_codes: np.ndarray  # (D, G) uint8: channel c, token t
+    k_scale: np.ndarray  # (D,) float16, per channel
+    k_min: np.ndarray  # (D,) float16
+    v_codes: np.ndarray  # (G, D) uint8: token t, channel c
+    v_scale: np.ndarray  # (G, D // Gv) float16, per (token, Gv channels)
+    v_min: np.ndarray  # (G, D // Gv) float16
+    placeholders: np.ndarray  # (n,) int64: positions that won at sealing (served from the pools forever)
+    k_hat: np.ndarray  # (G, D) float32: what the codes decode to (derived; the input itself if identity)
+    v_hat: np.ndarray  # (G, D) float32
+
+
+@dataclass
+class HeadState:
+    """The complete cache state of one (sequence, layer, KV head)."""
+
+    G: int
+    head_dim: int
+    groups: list[SealedGroup]
+    tail_pos: np.ndarray  # (n,) int64, consecutive, starting at len(groups) * G
+    tail_k: np.ndarray  # (n, D) float16
+    tail_v: np.ndarray  # (n, D) float16
+    pool: Pool  # outlier pool, <= outlier_num entries
+    aux: Pool  # aux pool, <= aux_cap entries
+    tracing: bool = True
+
+    @staticmethod
+    def empty(G: int, head_dim: int) -> HeadState:
+        return HeadState(
+            G=G,
+            head_dim=head_dim,
+            groups=[],
+            tail_pos=np.zeros(0, np.int64),
+            tail_k=np.zeros((0, head_dim), np.float16),
+            tail_v=np.zeros((0, head_dim), np.float16),
+            pool=Pool.empty(head_dim),
+            aux=Pool.empty(head_dim),
+        )
+
+    @property
+    def n_sealed(self) -> int:
+        return len(self.groups)
+
+    @property
+    def n_pos(self) -> int:
+        """Number of positions held (= pos_max + 1): the next position to append."""
+        return self.n_sealed * self.G + len(self.tail_pos)
+
+    def pooled(self) -> Pool:
+        """Outlier and aux pool together, sorted by position: every token served exactly."""
+        return self.pool.merged(self.aux)
+
+    def served(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pos, K, V) in float32, one row per position 0..n_pos-1: what attention sees for each token.
+
+        Sealed tokens give K_hat/V_hat, except pooled ones, which are covered by their exact K and V (their
+        placeholder rows are replaced, so a placeholder never gets weight); tail tokens give their fp16 values.
+        """
+        n_q = self.n_sealed * self.G
+        k = np.empty((self.n_pos, self.head_dim), np.float32)
+        v = np.empty((self.n_pos, self.head_dim), np.float32)
+        for g in self.groups:
+            k[g.index * self.G : (g.index + 1) * self.G] = g.k_hat
+            v[g.index * self.G : (g.index + 1) * self.G] = g.v_hat
+        pooled = self.pooled()
+        k[pooled.pos] = pooled.k  # cover
+        v[pooled.pos] = pooled.v
+        k[n_q:] = self.tail_k
+        v[n_q:] = self.tail_v
+        return np.arange(self.n_pos, dtype=np.int64), k, v
+
+
+# ------------------------------------------------------------------------------------------ quantize / seal
+
+
+def l1_scores(k: np.ndarray) -> np.ndarray:
+    """S = sum_c |K_c| per row of fp16 keys (n, D): the exact sum rounded once to fp32 (order-independent)."""
+    k = np.asarray(k, dtype=np.float16)
+    # every fp16 is a multiple of 2^-24 below 2^16, so the fp64 sum of D < 8192 of them is exact
+    return np.abs(k.astype(np.float64)).sum(axis=1).astype(np.float32)
+
+
+def group_mean(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per-channel mean of the selected rows of fp16 x (n, D): the exact mean rounded once to fp16."""
+    sel = np.asarray(x, dtype=np.float16)[rows].astype(np.float64)
+    # the fp64 sum is exact (see l1_scores) and the fp64 quotient rounds to the same fp16 as the exact one
+    return (sel.sum(axis=0) / sel.shape[0]).astype(np.float16)
+
+
+def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32."""
+    kt = np.asarray(k, dtype=np.float32).T  # (D, G): the G tokens of each channel form one quantizer group
+    D, G = kt.shape
+    if config.identity:
+        z = np.zeros(D, np.float16)
+        return np.zeros((D, G), np.uint8), z, z.copy(), kt.T.copy()
+    q = quantize(kt, config.k_format)  # codes (D, 1, G), d and m (D, 1)
+    k_hat = dequantize(q).T.copy()
+    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat
+
+
+def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32."""
+    v = np.asarray(v, dtype=np.float32)
+    G, D = v.shape
+    nv = D // config.Gv
+    if config.identity:
+        z = np.zeros((G, nv), np.float16)
+        return np.zeros((G, D), np.uint8), z, z.copy(), v.copy()
+    q = quantize(v, config.v_format)  # codes (G, nv, Gv), d and m (G, nv)
+    return q.codes.reshape(G, D), q.d, q.m, dequantize(q)
+
+
+def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.ndarray]:
+    """K_hat, V_hat (G, D) float32 decoded from a group's stored codes, scales and mins (not its cached k_hat)."""
+    if config.identity:
+        return g.k_hat.copy(), g.v_hat.copy()
+    D, G = g.k_codes.shape
+    kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
+    vq = Quantized(codes=g.v_codes.reshape(G, D // config.Gv, config.Gv), d=g.v_scale, m=g.v_min)
+    return dequantize(kq).T.copy(), dequantize(vq)
+
+
+def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
+    """Seal the oldest group of the tail (spec 'Sealing', steps 1-5), in place."""
+    G = state.G
+    index = state.n_sealed
+    assert len(state.tail_pos) >= G and state.tail_pos[0] == index * G
+    gk = state.tail_k[:G].copy()
+    gv = state.tail_v[:G].copy()
+    gpos = state.tail_pos[:G].copy()
+    won = np.zeros(0, np.int64)  # row indices (within the group) of this group's winners
+
+    if outlier_num > 0 and state.tracing:
+        # 1. candidates: the current pool members (stored scores) and the group's tokens (fresh scores)
+        scores = l1_scores(gk)
+        n_pool = len(state.pool)
+        cand_score = np.concatenate([state.pool.score, scores])
+        cand_pos = np.concatenate([state.pool.pos, gpos])
+        # 2. the outlier_num smallest (score, position): lexsort's last key is the primary one
+        order = np.lexsort((cand_pos, cand_score))
+        is_winner = np.zeros(len(order), bool)
+        is_winner[order[:outlier_num]] = True
+        pool_lost = ~is_winner[:n_pool]
+        # 3. the losing pool members go to the aux pool; if it cannot take them all, no competition at all
+        if len(state.aux) + int(pool_lost.sum()) > config.aux_cap:
+            state.tracing = False
+        else:
+            state.aux = state.aux.merged(state.pool.take(pool_lost))
+            won = np.flatnonzero(is_winner[n_pool:])
+            # 4. copy the winners' exact K and V into the pool ...
+            newcomers = Pool(pos=gpos[won], k=gk[won].copy(), v=gv[won].copy(), score=scores[won])
+            state.pool = state.pool.take(~pool_lost).merged(newcomers)
+            # ... and write the placeholder (mean) over them inside the group
+            rows = np.ones(G, bool)
+            if config.mean == "non_outlier":
+                rows[won] = False
+            gk[won] = group_mean(gk, rows)
+            gv[won] = group_mean(gv, rows)
+
+    # 5. quantize and drop the group from the tail
+    k_codes, k_scale, k_min, k_hat = quantize_keys(gk, config)
+    v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
+    state.groups.append(
+        SealedGroup(
+            index=index,
+            k_codes=k_codes,
+            k_scale=k_scale,
+            k_min=k_min,
+            v_codes=v_codes,
+            v_scale=v_scale,
+            v_min=v_min,
+            placeholders=gpos[won],
+            k_hat=k_hat,
+            v_hat=v_hat,
+        )
+    )
+    state.tail_pos = state.tail_pos[G:]
+    state.tail_k = state.tail_k[G:]
+    state.tail_v = state.tail_v[G:]
+
+
+def seal_eligible(state: HeadState, config: OttConfig, outlier_num: int) -> None:
+    """Seal, in order, every group g with pos_max + 1 - (g+1)G >= R."""
+    while state.n_pos - (state.n_sealed + 1) * state.G >= config.R:
+        seal_group(state, config, outlier_num)
+
+
+def truncate(state: HeadState, p0: int) -> None:
+    """Remove positions >= p0 in place (see the module docstring for the semantics)."""
+    G = state.G
+    if p0 <= 0:
+        # nothing left: a fresh state (tracing on again), in place so that holders of `state` see it
+        state.__dict__.update(HeadState.empty(G, state.head_dim).__dict__)
+        return
+    if p0 >= state.n_pos:
+        return
+    n_keep = min(state.n_sealed, p0 // G)  # groups entirely below p0
+    if n_keep < state.n_sealed:
+        # unseal group n_keep: its tokens below p0 return to the tail as they were served
+        pos, k, v = state.served()
+        lo = n_keep * G
+        state.tail_pos = pos[lo:p0].copy()
+        state.tail_k = k[lo:p0].astype(np.float16)
+        state.tail_v = v[lo:p0].astype(np.float16)
+        state.groups = state.groups[:n_keep]
+        state.pool = state.pool.take(state.pool.pos < lo)
+        state.aux = state.aux.take(state.aux.pos < lo)
+    else:
+        keep = state.tail_pos < p0
+        state.tail_pos = state.tail_pos[keep]
+        state.tail_k = state.tail_k[keep]
+        state.tail_v = state.tail_v[keep]
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+def attend(state: HeadState, q: np.ndarray, q_pos: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """Attention of query rows q (n, D) at positions q_pos (n,) over one head's cache, with cover semantics.
+
+    Causal: a query at position p sees the positions <= p. Scores q.K * scale (default 1/sqrt(D)), softmax and
+    accumulation in fp32; every position appears exactly once (see HeadState.served).
+    """
+    q = np.asarray(q, dtype=np.float32)
+    q_pos = np.asarray(q_pos, dtype=np.int64)
+    pos, k, v = state.served()
+    scale = np.float32(1.0 / math.sqrt(state.head_dim) if scale is None else scale)
+    s = (q @ k.T).astype(np.float32) * scale
+    s = np.where(pos[None, :] <= q_pos[:, None], s, np.float32(-np.inf))
+    s = s - s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=1, keepdims=True)
+    return (p @ v).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------- the cache
+
+
+class OttCache:
+    """ott2 cache for several sequences, n_layer layers and n_kv_head KV heads of dimension head_dim."""
+
+    def __init__(self, config: OttConfig, n_layer: int, n_kv_head: int, head_dim: int) -> None:
+        if head_dim % config.Gv:
+            raise ValueError(f"Gv ({config.Gv}) must divide head_dim ({head_dim})")
+        if n_layer <= 0 or n_kv_head <= 0:
+            raise ValueError("n_layer and n_kv_head must be positive")
+        self.config = config
+        self.n_layer = n_layer
+        self.n_kv_head = n_kv_head
+        self.head_dim = head_dim
+        self._seqs: dict[int, list[list[HeadState]]] = {}
+
+    def _heads(self, seq_id: int, layer: int) -> list[HeadState]:
+        if not 0 <= layer < self.n_layer:
+            raise IndexError(f"layer {layer} out of range")
+        if seq_id not in self._seqs:
+            self._seqs[seq_id] = [
+                [HeadState.empty(self.config.G, self.head_dim) for _ in range(self.n_kv_head)]
+                for _ in range(self.n_layer)
+            ]
+        return self._seqs[seq_id][layer]
+
+    def n_pos(self, seq_id: int, layer: int = 0) -> int:
+        """Positions held by (seq_id, layer): pos_max + 1."""
+        return self._heads(seq_id, layer)[0].n_pos
+
+    def state(self, seq_id: int, layer: int, head: int) -> HeadState:
+        """A deep copy of the exact state of (seq_id, layer, KV head)."""
+        return copy.deepcopy(self._heads(seq_id, layer)[head])
+
+    def process_ubatch(
+        self,
+        seq_id: int,
+        layer: int,
+        q: np.ndarray | None,
+        k: np.ndarray,
+        v: np.ndarray,
+        pos: np.ndarray,
+        kq_scale: float | None = None,
+    ) -> np.ndarray | None:
+        """Append a ubatch of one sequence to one layer, attend, then seal what became eligible.
+
+        q (n, n_q_head, D) or None (append and seal only); k, v (n, n_kv_head, D), keys post-RoPE; pos (n,)
+        consecutive, starting at n_pos(seq_id, layer). K and V are rounded to fp16 on append and must stay finite.
+        Returns the attention output (n, n_q_head, D) float32: query head h reads KV head h // (n_q_head //
+        n_kv_head), the ubatch sees its own tokens in full precision (causally).
+        """
+        heads = self._heads(seq_id, layer)
+        H, D = self.n_kv_head, self.head_dim
+        with np.errstate(over="ignore"):  # out-of-range values become inf and are refused below
+            k16 = np.asarray(k, dtype=np.float32).astype(np.float16)
+            v16 = np.asarray(v, dtype=np.float32).astype(np.float16)
+        pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+        n = len(pos)
+        if k16.shape != (n, H, D) or v16.shape != (n, H, D):
+            raise ValueError(f"k and v must have shape {(n, H, D)}, got {k16.shape} and {v16.shape}")
+        if not (np.isfinite(k16).all() and np.isfinite(v16).all()):
+            raise ValueError("K and V must be finite in fp16")
+        start = heads[0].n_pos
+        if n == 0 or not np.array_equal(pos, np.arange(start, start + n)):
+            raise ValueError(f"positions must be consecutive and start at {start}")
+        if q is not None:
+            self._check_q(q, n)
+        for h, hs in enumerate(heads):
+            hs.tail_pos = np.concatenate([hs.tail_pos, pos])
+            hs.tail_k = np.concatenate([hs.tail_k, k16[:, h]])
+            hs.tail_v = np.concatenate([hs.tail_v, v16[:, h]])
+        out = None if q is None else self._attend(heads, q, pos, kq_scale)
+        on = self.config.outliers_for_layer(layer)
+        for hs in heads:
+            seal_eligible(hs, self.config, on)
+        return out
+
+    def attend(
+        self, seq_id: int, layer: int, q: np.ndarray, q_pos: np.ndarray, kq_scale: float | None = None
+    ) -> np.ndarray:
+        """Evaluate queries (n, n_q_head, D) at positions q_pos against the current cache, changing nothing."""
+        return self._attend(self._heads(seq_id, layer), q, np.asarray(q_pos, np.int64).reshape(-1), kq_scale)
+
+    def _check_q(self, q: np.ndarray, n: int) -> None:
+        shape = np.shape(q)
+        if len(shape) != 3 or shape[0] != n or shape[1] % self.n_kv_head or shape[2] != self.head_dim:
+            raise ValueError(f"q must be ({n}, a multiple of {self.n_kv_head}, {self.head_dim}), got {shape}")
+
+    def _attend(self, heads: list[HeadState], q: np.ndarray, q_pos: np.ndarray, scale: float | None) -> np.ndarray:
+        self._check_q(q, len(q_pos))
+        q = np.asarray(q, dtype=np.float32)
+        n, n_q_head, D = q.shape
+        per_kv = n_q_head // self.n_kv_head
+        out = np.empty_like(q)
+        for h, hs in enumerate(heads):
+            # the per_kv query heads of KV head h, as n*per_kv rows
+            rows = q[:, h * per_kv : (h + 1) * per_kv].reshape(n * per_kv, D)
+            res = attend(hs, rows, np.repeat(q_pos, per_kv), scale)
+            out[:, h * per_kv : (h + 1) * per_kv] = res.reshape(n, per_kv, D)
+        return out
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        """Remove positions >= p0 of a sequence in every layer.
+
+        A sealed group containing positions >= p0 is unsealed if it also holds positions < p0: those come back
+        into the fp16 tail as they were served (pooled: exact K/V, leaving the pools; others: fp16(dequantized)).
+        Groups after it are dropped, pools keep only positions below the first unsealed position, scores and the
+        tracing flag are kept. p0 <= 0 clears the sequence (tracing on again).
+        """
+        if seq_id not in self._seqs:
+            return
+        for layer in self._seqs[seq_id]:
+            for hs in layer:
+                truncate(hs, p0)
+        if p0 <= 0:
+            del self._seqs[seq_id]
+
+
+# -------------------------------------------------------------------------------------------------- memory
+
+
+def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | None = None) -> dict[str, float]:
+    """Bits held by one (layer, sequence, KV head) after n_tokens positions of steady decoding (spec 'Memory').
+
+    T_q = G * floor((n - R) / G) sealed positions (0 while n < R + G) and T_tail = n - T_q. The spec's
+    `T_q*D*bits` term counts the codes of K and V together here (2*T_q*D*bits): that is what makes G = Gv = 128,
+    bits = 2 tend to the 2.25 bits per element it states. Pools count their capacity (outlier_num + aux_cap
+    slots, none for a layer without outliers): exact fp16 K and V, plus 32 bits of position and 32 bits of fp32
+    score per slot. Tail and sealed positions are implicit (group index, consecutive positions): no bits.
+    layer: None for a layer with outliers (config.outlier_num), else config.outliers_for_layer(layer).
+    """
+    if n_tokens <= 0:
+        raise ValueError("n_tokens must be positive")
+    D = head_dim
+    t_q = config.G * max(0, (n_tokens - config.R) // config.G)
+    t_tail = n_tokens - t_q
+    on = config.outlier_num if layer is None else config.outliers_for_layer(layer)
+    slots = on + config.aux_cap if on > 0 else 0
+    return {
+        "codes": 2 * t_q * D * config.bits,
+        "k_scale_min": 32 * D * t_q / config.G,
+        "v_scale_min": 32 * t_q * D / config.Gv,
+        "tail": 2 * 16 * D * t_tail,
+        "pools": 2 * 16 * D * slots,
+        "pool_positions": 32 * slots,
+        "pool_scores": 32 * slots,
+    }
+
+
+def effective_bits(config: OttConfig, head_dim: int, n_tokens: int, n_layer: int | None = None) -> float:
+    """Bits per cached K or V element (total bits / (2 * n_tokens * head_dim)), see memory_bits.
+
+    n_layer: average over a model of n_layer layers (the first no_outlier_layers without pools); None: one layer
+    with outliers.
+    """
+    layers: list[int | None] = [None] if n_layer is None else list(range(n_layer))
+    total = sum(sum(memory_bits(config, head_dim, n_tokens, layer).values()) for layer in layers)
+    return total / (len(layers) * 2 * n_tokens * head_dim)

@@ -1,0 +1,835 @@
+"""Tests of ott_gguf.reference, the numpy oracle of spec/ott2-algorithm.md.
+
+The reference is checked against independent, deliberately naive models written here: a loop-per-group KIVI,
+dense float64 attention, and a plain-Python replay of the outlier competition (tuple sort, math.fsum). These
+tests need no native build: run them with `python -m pytest --noconftest tests/test_reference.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ott_gguf.quantizer import BlockFormat, Quantized, dequantize, quantize
+from ott_gguf.reference import (
+    HeadState,
+    OttCache,
+    OttConfig,
+    attend,
+    effective_bits,
+    memory_bits,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+KINDS = ("normal", "outlier_channels", "ties", "constant", "magnitudes")
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def make_kv(rng: np.random.Generator, n: int, H: int, D: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """K and V (n, H, D) float32 of a given flavour, all finite in fp16."""
+    k = rng.standard_normal((n, H, D)).astype(np.float32)
+    v = rng.standard_normal((n, H, D)).astype(np.float32)
+    if kind == "outlier_channels":
+        # a few large channels, and rare tokens whose key is small everywhere (the paper's outlier tokens)
+        ch = rng.choice(D, size=3, replace=False)
+        k[:, :, ch] = k[:, :, ch] + rng.uniform(10, 30, size=(1, H, 3)).astype(np.float32)
+        small = rng.random((n, H)) < 0.05
+        k[small] *= np.float32(0.05)
+    elif kind == "ties":
+        # few distinct values: many exactly equal L1 scores
+        k = (rng.integers(-2, 3, size=(n, H, D)) * 0.5).astype(np.float32)
+        v = (rng.integers(-2, 3, size=(n, H, D)) * 0.25).astype(np.float32)
+    elif kind == "constant":
+        k[:] = k[:1]
+        v[:] = v[:1]
+    elif kind == "magnitudes":
+        # per-token magnitudes from fp16 subnormals to near the fp16 maximum
+        k *= (10.0 ** rng.uniform(-7, 4.3, size=(n, H, 1))).astype(np.float32)
+        v *= (10.0 ** rng.uniform(-7, 4.3, size=(n, H, 1))).astype(np.float32)
+        k = np.clip(k, -60000, 60000)
+        v = np.clip(v, -60000, 60000)
+    return k, v
+
+
+def split_points(n: int, cuts: list[int]) -> list[tuple[int, int]]:
+    pts = sorted({c for c in cuts if 0 < c < n})
+    bounds = [0, *pts, n]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def run(
+    cache: OttCache, seq: int, layer: int, q: np.ndarray | None, k: np.ndarray, v: np.ndarray, cuts: list[int]
+) -> np.ndarray | None:
+    """Feed [0, n) ubatch by ubatch (cut at `cuts`), from position cache.n_pos; concatenated outputs."""
+    base = cache.n_pos(seq, layer)
+    outs = []
+    for a, b in split_points(len(k), cuts):
+        o = cache.process_ubatch(
+            seq, layer, None if q is None else q[a:b], k[a:b], v[a:b], np.arange(base + a, base + b)
+        )
+        outs.append(o)
+    return None if q is None else np.concatenate(outs)
+
+
+def n_sealed_after(n: int, cfg: OttConfig) -> int:
+    return max(0, (n - cfg.R) // cfg.G)
+
+
+def f16_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit equality of fp16 arrays (distinguishes -0 from +0)."""
+    a, b = np.asarray(a, np.float16), np.asarray(b, np.float16)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def assert_state_equal(a: HeadState, b: HeadState) -> None:
+    assert a.n_sealed == b.n_sealed and a.tracing == b.tracing
+    for ga, gb in zip(a.groups, b.groups, strict=True):
+        assert ga.index == gb.index
+        assert np.array_equal(ga.k_codes, gb.k_codes) and np.array_equal(ga.v_codes, gb.v_codes)
+        for x, y in ((ga.k_scale, gb.k_scale), (ga.k_min, gb.k_min), (ga.v_scale, gb.v_scale), (ga.v_min, gb.v_min)):
+            assert f16_equal(x, y)
+        assert np.array_equal(ga.placeholders, gb.placeholders)
+        assert np.array_equal(ga.k_hat, gb.k_hat) and np.array_equal(ga.v_hat, gb.v_hat)
+    assert np.array_equal(a.tail_pos, b.tail_pos)
+    assert f16_equal(a.tail_k, b.tail_k) and f16_equal(a.tail_v, b.tail_v)
+    for pa, pb in ((a.pool, b.pool), (a.aux, b.aux)):
+        assert np.array_equal(pa.pos, pb.pos)
+        assert f16_equal(pa.k, pb.k) and f16_equal(pa.v, pb.v)
+        assert np.array_equal(pa.score, pb.score)
+
+
+def dense_attention(q: np.ndarray, kpos: np.ndarray, k: np.ndarray, v: np.ndarray, qpos: np.ndarray) -> np.ndarray:
+    """float64 causal attention of rows q (n, D) over keys (m, D) at kpos, for queries at qpos."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = q @ k.T / math.sqrt(q.shape[1])
+    s = np.where(kpos[None, :] <= qpos[:, None], s, -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v
+
+
+def dense_gqa(q: np.ndarray, k16: np.ndarray, v16: np.ndarray, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
+    """Dense attention (n, n_q_head, D) with GQA: query head h uses KV head h // (n_q_head // n_kv_head)."""
+    n_q_head, H = q.shape[1], k16.shape[1]
+    out = np.empty(q.shape, np.float64)
+    for h in range(n_q_head):
+        kv = h // (n_q_head // H)
+        out[:, h] = dense_attention(q[:, h], kpos, k16[:, kv], v16[:, kv], qpos)
+    return out
+
+
+def served_from_fields(s: HeadState, cfg: OttConfig) -> tuple[np.ndarray, np.ndarray]:
+    """What each position must contribute, rebuilt from the stored fields alone (codes, scales, mins, pools)."""
+    G, D = s.G, s.head_dim
+    k = np.zeros((s.n_pos, D), np.float64)
+    v = np.zeros((s.n_pos, D), np.float64)
+    for g in s.groups:
+        sl = slice(g.index * G, (g.index + 1) * G)
+        if cfg.identity:
+            k[sl], v[sl] = g.k_hat, g.v_hat
+        else:
+            kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
+            vq = Quantized(codes=g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), d=g.v_scale, m=g.v_min)
+            k[sl] = dequantize(kq).T
+            v[sl] = dequantize(vq)
+    for p in (s.pool, s.aux):
+        k[p.pos] = p.k
+        v[p.pos] = p.v
+    k[s.n_sealed * G :] = s.tail_k
+    v[s.n_sealed * G :] = s.tail_v
+    return k, v
+
+
+# ---------------------------------------------------------------------------- plain-Python model of the pools
+
+
+def exact_score(row: np.ndarray) -> float:
+    return float(np.float32(math.fsum(abs(float(x)) for x in row)))
+
+
+def exact_mean(rows: np.ndarray) -> np.ndarray:
+    return np.array([math.fsum(float(x) for x in col) / len(col) for col in rows.T], np.float64).astype(np.float16)
+
+
+def model_pools(k16: np.ndarray, n_sealed: int, G: int, on: int, aux_cap: int):
+    """Replay the competition group by group with Python tuples: (score, position) sorts ties by position."""
+    pool: list[tuple[float, int]] = []
+    aux: list[tuple[float, int]] = []
+    tracing = True
+    placeholders: list[list[int]] = []
+    for g in range(n_sealed):
+        won: list[int] = []
+        if on > 0 and tracing:
+            cands = sorted(pool + [(exact_score(k16[p]), p) for p in range(g * G, (g + 1) * G)])
+            winners = cands[:on]
+            lost = [c for c in pool if c not in winners]
+            if len(aux) + len(lost) > aux_cap:
+                tracing = False
+            else:
+                aux += lost
+                pool = winners
+                won = sorted(p for _, p in winners if p >= g * G)
+        placeholders.append(won)
+    return pool, aux, placeholders, tracing
+
+
+def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, v16: np.ndarray) -> None:
+    """Every field of one head's state against the Python model, and the structural invariants."""
+    n = len(k16)
+    G = cfg.G
+    assert s.n_pos == n and s.n_sealed == n_sealed_after(n, cfg)
+    pool, aux, placeholders, tracing = model_pools(k16, s.n_sealed, G, on, cfg.aux_cap)
+    assert s.tracing == tracing
+    assert s.pool.pos.tolist() == sorted(p for _, p in pool)
+    assert s.aux.pos.tolist() == sorted(p for _, p in aux)
+    # sizes, uniqueness, no token dropped: each position is sealed-non-pooled, pooled or tail, exactly once
+    assert len(s.pool) <= on and len(s.aux) <= (cfg.aux_cap if on else 0)
+    pooled = np.concatenate([s.pool.pos, s.aux.pos])
+    assert len(np.unique(pooled)) == len(pooled)
+    sealed = set(range(s.n_sealed * G))
+    assert set(pooled.tolist()) <= sealed
+    assert s.tail_pos.tolist() == list(range(s.n_sealed * G, n))
+    assert len(sealed - set(pooled.tolist())) + len(pooled) + len(s.tail_pos) == n
+    if s.n_sealed and n >= cfg.R:
+        assert cfg.R <= len(s.tail_pos) <= cfg.R + G - 1
+    # pooled tokens hold exactly their fp16 K and V and their exact score
+    for p in (s.pool, s.aux):
+        assert f16_equal(p.k, k16[p.pos]) and f16_equal(p.v, v16[p.pos])
+        assert [float(x) for x in p.score] == [exact_score(k16[i]) for i in p.pos]
+    assert f16_equal(s.tail_k, k16[s.n_sealed * G :]) and f16_equal(s.tail_v, v16[s.n_sealed * G :])
+    # placeholders are permanent and each is served from a pool
+    all_ph = [p for g in s.groups for p in g.placeholders.tolist()]
+    assert [g.placeholders.tolist() for g in s.groups] == placeholders
+    assert sorted(all_ph) == sorted(pooled.tolist())
+    # each group's codes: the inputs with the placeholders overwritten by the mean, quantized
+    for g in s.groups:
+        lo = g.index * G
+        xk = k16[lo : lo + G].copy()
+        xv = v16[lo : lo + G].copy()
+        won = g.placeholders - lo
+        if len(won):
+            keep = np.ones(G, bool)
+            if cfg.mean == "non_outlier":
+                keep[won] = False
+            xk[won] = exact_mean(xk[keep])
+            xv[won] = exact_mean(xv[keep])
+        if cfg.identity:
+            assert np.array_equal(g.k_hat, xk.astype(np.float32)) and np.array_equal(g.v_hat, xv.astype(np.float32))
+            continue
+        qk = quantize(xk.astype(np.float32).T, BlockFormat(cfg.bits, G))
+        qv = quantize(xv.astype(np.float32), BlockFormat(cfg.bits, cfg.Gv))
+        assert np.array_equal(g.k_codes, qk.codes[:, 0, :])
+        assert f16_equal(g.k_scale, qk.d[:, 0]) and f16_equal(g.k_min, qk.m[:, 0])
+        assert np.array_equal(g.v_codes, qv.codes.reshape(G, -1))
+        assert f16_equal(g.v_scale, qv.d) and f16_equal(g.v_min, qv.m)
+        assert np.isfinite(g.k_hat).all() and np.isfinite(g.v_hat).all()
+
+
+configs = st.builds(
+    OttConfig,
+    bits=st.sampled_from([2, 3, 4]),
+    G=st.sampled_from([32, 64]),
+    R=st.integers(0, 40),
+    Gv=st.sampled_from([32, 64]),
+    outlier_num=st.integers(0, 5),
+    aux_cap=st.integers(0, 8),
+    no_outlier_layers=st.just(0),
+    mean=st.sampled_from(["non_outlier", "all"]),
+)
+
+
+# ----------------------------------------------------------------------------------------------- invariants
+
+
+@SETTINGS
+@given(
+    cfg=configs,
+    n=st.integers(1, 300),
+    cuts=st.lists(st.integers(1, 299), max_size=5),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_state_matches_model_and_invariants(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
+    """Sealed codes, pools, aux pool, placeholders and tracing equal the naive replay for any data and split."""
+    rng = np.random.default_rng(seed)
+    H, D = 2, 64
+    k, v = make_kv(rng, n, H, D, kind)
+    cache = OttCache(cfg, 1, H, D)
+    run(cache, 0, 0, None, k, v, cuts)
+    for h in range(H):
+        check_against_model(
+            cache.state(0, 0, h), cfg, cfg.outlier_num, k[:, h].astype(np.float16), v[:, h].astype(np.float16)
+        )
+
+
+def kivi_reference(cfg: OttConfig, q, k, v, cuts) -> tuple[np.ndarray, list[list[dict]]]:
+    """An independent block-G KIVI: per channel / per token loops, sealing after each ubatch, dense float64."""
+    n, H, D = k.shape
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    fk, fv = BlockFormat(cfg.bits, cfg.G), BlockFormat(cfg.bits, cfg.Gv)
+    k_hat = k16.astype(np.float64)
+    v_hat = v16.astype(np.float64)
+    groups: list[list[dict]] = [[] for _ in range(H)]
+    sealed = 0
+    out = np.empty(q.shape, np.float64)
+    for a, b in split_points(n, cuts):
+        qpos = np.arange(a, b)
+        is_sealed = np.arange(b)[:, None, None] < sealed * cfg.G
+        kk = np.where(is_sealed, k_hat[:b], k16[:b])
+        vv = np.where(is_sealed, v_hat[:b], v16[:b])
+        out[a:b] = dense_gqa(q[a:b], kk, vv, qpos, np.arange(b))
+        while b - (sealed + 1) * cfg.G >= cfg.R:  # seal after attention
+            lo = sealed * cfg.G
+            for h in range(H):
+                rec = {
+                    "k_codes": np.zeros((D, cfg.G), np.uint8),
+                    "k_d": [],
+                    "k_m": [],
+                    "v_codes": [],
+                    "v_d": [],
+                    "v_m": [],
+                }
+                for c in range(D):
+                    qc = quantize(k16[lo : lo + cfg.G, h, c].astype(np.float32), fk)
+                    rec["k_codes"][c] = qc.codes[0]
+                    rec["k_d"].append(qc.d[0])
+                    rec["k_m"].append(qc.m[0])
+                    k_hat[lo : lo + cfg.G, h, c] = dequantize(qc)
+                for t in range(lo, lo + cfg.G):
+                    row_codes, row_d, row_m = [], [], []
+                    for j in range(0, D, cfg.Gv):
+                        qt = quantize(v16[t, h, j : j + cfg.Gv].astype(np.float32), fv)
+                        row_codes.append(qt.codes[0])
+                        row_d.append(qt.d[0])
+                        row_m.append(qt.m[0])
+                        v_hat[t, h, j : j + cfg.Gv] = dequantize(qt)
+                    rec["v_codes"].append(np.concatenate(row_codes))
+                    rec["v_d"].append(row_d)
+                    rec["v_m"].append(row_m)
+                groups[h].append(rec)
+            sealed += 1
+    return out, groups
+
+
+@SETTINGS
+@given(
+    cfg=configs,
+    n=st.integers(1, 200),
+    cuts=st.lists(st.integers(1, 199), max_size=4),
+    kind=st.sampled_from(["normal", "outlier_channels", "ties", "constant"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_outlier_num_zero_is_block_kivi(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
+    """kivi2: outputs of every ubatch and the sealed codes equal an independent block-G KIVI with R..R+G-1 tail."""
+    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap)
+    rng = np.random.default_rng(seed)
+    H, nq, D = 2, 4, 64
+    k, v = make_kv(rng, n, H, D, kind)
+    q = rng.standard_normal((n, nq, D)).astype(np.float32)
+    cache = OttCache(cfg, 1, H, D)
+    out = run(cache, 0, 0, q, k, v, cuts)
+    want, groups = kivi_reference(cfg, q, k, v, cuts)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+    for h in range(H):
+        s = cache.state(0, 0, h)
+        assert s.n_sealed == len(groups[h]) == n_sealed_after(n, cfg)
+        assert len(s.pool) == len(s.aux) == 0
+        for g, rec in zip(s.groups, groups[h], strict=True):
+            assert np.array_equal(g.k_codes, rec["k_codes"])
+            assert f16_equal(g.k_scale, rec["k_d"]) and f16_equal(g.k_min, rec["k_m"])
+            assert np.array_equal(g.v_codes, np.stack(rec["v_codes"]))
+            assert f16_equal(g.v_scale, rec["v_d"]) and f16_equal(g.v_min, rec["v_m"])
+
+
+@SETTINGS
+@given(
+    cfg=configs,
+    n=st.integers(1, 260),
+    cuts=st.lists(st.integers(1, 259), max_size=5),
+    kind=st.sampled_from(["normal", "outlier_channels", "ties", "constant"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_identity_quantizer_is_dense_attention(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
+    """With quantization off, every ubatch's output equals dense causal attention over the fp16 K/V (GQA too)."""
+    cfg = dataclasses.replace(cfg, identity=True)
+    rng = np.random.default_rng(seed)
+    H, nq, D = 2, 6, 64
+    k, v = make_kv(rng, n, H, D, kind)
+    q = rng.standard_normal((n, nq, D)).astype(np.float32)
+    cache = OttCache(cfg, 1, H, D)
+    out = run(cache, 0, 0, q, k, v, cuts)
+    want = dense_gqa(q, k.astype(np.float16), v.astype(np.float16), np.arange(n), np.arange(n))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+    # and the placeholders really hold the mean (so a placeholder leaking into the output would show up)
+    for h in range(H):
+        check_against_model(
+            cache.state(0, 0, h), cfg, cfg.outlier_num, k[:, h].astype(np.float16), v[:, h].astype(np.float16)
+        )
+
+
+@SETTINGS
+@given(
+    cfg=configs,
+    n=st.integers(1, 260),
+    cuts=st.lists(st.integers(1, 259), max_size=4),
+    kind=st.sampled_from(["normal", "outlier_channels", "ties"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_ubatch_attends_before_sealing_with_cover(
+    cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int
+) -> None:
+    """Each ubatch's output is dense attention over the state before it (rebuilt from codes, scales, mins and
+    pools: every pooled token contributes its exact fp16 K and V, no placeholder) plus its own fp16 tokens."""
+    rng = np.random.default_rng(seed)
+    H, nq, D = 2, 4, 64
+    k, v = make_kv(rng, n, H, D, kind)
+    q = rng.standard_normal((n, nq, D)).astype(np.float32)
+    cache = OttCache(cfg, 1, H, D)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    for a, b in split_points(n, cuts):
+        before = [cache.state(0, 0, h) for h in range(H)]
+        out = cache.process_ubatch(0, 0, q[a:b], k[a:b], v[a:b], np.arange(a, b))
+        kk = np.empty((b, H, D))
+        vv = np.empty((b, H, D))
+        for h, s in enumerate(before):
+            kk[:a, h], vv[:a, h] = served_from_fields(s, cfg)
+        kk[a:], vv[a:] = k16[a:b], v16[a:b]
+        want = dense_gqa(q[a:b], kk, vv, np.arange(a, b), np.arange(b))
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+        # the same through attend() on a state, for a query at every position seen so far
+        for h in range(H):
+            s = cache.state(0, 0, h)
+            sk, sv = served_from_fields(s, cfg)
+            qq = rng.standard_normal((4, D)).astype(np.float32)
+            qp = rng.integers(0, b, size=4)
+            np.testing.assert_allclose(
+                attend(s, qq, qp), dense_attention(qq, np.arange(b), sk, sv, qp), rtol=1e-4, atol=2e-5
+            )
+
+
+# ------------------------------------------------------------------------------------------ ubatch splitting
+
+
+@SETTINGS
+@given(
+    cfg=configs,
+    n=st.integers(2, 300),
+    cuts_a=st.lists(st.integers(1, 299), max_size=5),
+    cuts_b=st.lists(st.integers(1, 299), max_size=5),
+    kind=st.sampled_from(["normal", "outlier_channels", "ties"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_ubatch_splitting(cfg: OttConfig, n: int, cuts_a: list[int], cuts_b: list[int], kind: str, seed: int) -> None:
+    """What must hold when a prompt is split differently into ubatches:
+    - the final state is bit-identical for any two splits (sealing depends only on the inputs and on the number of
+      sealed groups, floor((n - R) / G), not on when a group was sealed);
+    - a token's output is the same in both runs whenever its ubatch started with the same number of sealed groups
+      (in particular for every token, when no group is sealed before the last ubatch of either run)."""
+    rng = np.random.default_rng(seed)
+    H, nq, D = 2, 2, 64
+    k, v = make_kv(rng, n, H, D, kind)
+    q = rng.standard_normal((n, nq, D)).astype(np.float32)
+    outs, sealed_before = [], []
+    caches = []
+    for cuts in (cuts_a, cuts_b):
+        cache = OttCache(cfg, 1, H, D)
+        outs.append(run(cache, 0, 0, q, k, v, cuts))
+        caches.append(cache)
+        per_token = np.empty(n, np.int64)
+        for a, b in split_points(n, cuts):
+            per_token[a:b] = n_sealed_after(a, cfg)
+        sealed_before.append(per_token)
+    for h in range(H):
+        assert_state_equal(caches[0].state(0, 0, h), caches[1].state(0, 0, h))
+    same = sealed_before[0] == sealed_before[1]
+    assert same[0]  # the first ubatch of both runs starts from an empty cache
+    np.testing.assert_allclose(outs[0][same], outs[1][same], rtol=1e-4, atol=2e-5)  # fp32, differently shaped
+
+
+def test_split_outputs_differ_only_through_sealing() -> None:
+    """Adversarial: a split that seals before the last ubatch does change later outputs (the check above bites)."""
+    cfg = OttConfig(G=32, R=4, Gv=32, no_outlier_layers=0)
+    rng = np.random.default_rng(7)
+    n, H, D = 80, 1, 64
+    k, v = make_kv(rng, n, H, D, "outlier_channels")
+    q = rng.standard_normal((n, 1, D)).astype(np.float32)
+    one = run(OttCache(cfg, 1, H, D), 0, 0, q, k, v, [])
+    two = run(OttCache(cfg, 1, H, D), 0, 0, q, k, v, [40])
+    np.testing.assert_allclose(one[:40], two[:40], rtol=1e-4, atol=2e-5)
+    assert not np.allclose(one[40:], two[40:], rtol=1e-4, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------- adversarial
+
+
+def test_constant_groups_zero_range_and_tie_order() -> None:
+    """All tokens identical (and each V group constant): scale 0, codes 0, exact reconstruction; every score ties:
+    the earliest positions win, also against later groups."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, no_outlier_layers=0)
+    n, H, D = 200, 1, 64
+    rng = np.random.default_rng(1)
+    row_k = rng.standard_normal(D).astype(np.float16)
+    row_v = np.repeat(rng.standard_normal(D // 32), 32).astype(np.float16)  # V groups are within a token
+    k = np.broadcast_to(row_k.astype(np.float32), (n, H, D)).copy()
+    v = np.broadcast_to(row_v.astype(np.float32), (n, H, D)).copy()
+    q = rng.standard_normal((n, 2, D)).astype(np.float32)
+    cache = OttCache(cfg, 1, H, D)
+    out = run(cache, 0, 0, q, k, v, [50, 120])
+    s = cache.state(0, 0, 0)
+    assert s.n_sealed == (n - cfg.R) // cfg.G
+    assert s.pool.pos.tolist() == [0, 1, 2] and len(s.aux) == 0 and s.tracing
+    for g in s.groups:
+        assert not g.k_codes.any() and not g.v_codes.any()
+        assert not g.k_scale.any() and not g.v_scale.any()
+        assert f16_equal(g.k_min, row_k) and np.array_equal(g.k_hat, np.broadcast_to(row_k.astype(np.float32), (32, D)))
+        assert np.array_equal(g.v_hat, np.broadcast_to(row_v.astype(np.float32), (32, D)))
+    np.testing.assert_allclose(out, np.broadcast_to(row_v.astype(np.float32), out.shape), rtol=1e-6, atol=1e-6)
+    check_against_model(s, cfg, 3, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
+
+
+def test_constant_channel_zero_range() -> None:
+    """One constant channel among varying ones: that channel's scale is 0, its codes 0, nothing is NaN."""
+    cfg = OttConfig(G=32, R=0, Gv=32, no_outlier_layers=0)
+    rng = np.random.default_rng(2)
+    k, v = make_kv(rng, 64, 1, 64, "normal")
+    k[:, 0, 9] = -3.5
+    v[:, 0, :32] = 0.0  # one whole V group per token is zero
+    cache = OttCache(cfg, 1, 1, 64)
+    run(cache, 0, 0, None, k, v, [])
+    s = cache.state(0, 0, 0)
+    for g in s.groups:
+        assert g.k_scale[9] == 0 and not g.k_codes[9].any() and g.k_min[9] == np.float16(-3.5)
+        assert not g.v_scale[:, 0].any() and not g.v_codes[:, :32].any()
+        assert np.isfinite(g.k_hat).all() and np.isfinite(g.v_hat).all()
+        assert (g.k_hat[:, 9] == -3.5).all()
+
+
+def signed_permutations(rng: np.random.Generator, base: np.ndarray, n: int) -> np.ndarray:
+    """n rows with the same multiset of |values| as base: exactly equal L1 scores."""
+    rows = np.stack([rng.permutation(base) for _ in range(n)])
+    return rows * rng.choice([-1.0, 1.0], size=rows.shape)
+
+
+def test_ties_go_to_the_earlier_position() -> None:
+    """Equal scores inside a group, and between a pool member and a later group's token: the earlier wins."""
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0)
+    rng = np.random.default_rng(3)
+    D = 64
+    k = (rng.standard_normal((96, D)) * 4).astype(np.float32)
+    small = rng.standard_normal(D).astype(np.float16).astype(np.float32) * np.float32(0.1)
+    tie = signed_permutations(rng, small, 5)
+    k[[20, 7, 40, 33, 70]] = tie  # group 0: positions 7 and 20 tie; groups 1, 2: later ties
+    v = rng.standard_normal((96, D)).astype(np.float32)
+    cache = OttCache(cfg, 1, 1, D)
+    run(cache, 0, 0, None, k[:, None], v[:, None], [])
+    s = cache.state(0, 0, 0)
+    assert len({float(x) for x in s.pool.score}) == 1
+    assert s.pool.pos.tolist() == [7, 20]
+    assert [g.placeholders.tolist() for g in s.groups] == [[7, 20], [], []]
+    assert len(s.aux) == 0
+    check_against_model(s, cfg, 2, k.astype(np.float16), v.astype(np.float16))
+
+
+@pytest.mark.parametrize("aux_cap,stop_group", [(4, 2), (6, 3), (9, 4)])
+def test_aux_pool_overflow_stops_tracing(aux_cap: int, stop_group: int) -> None:
+    """Every group brings 3 smaller keys, so 3 pool members lose each time. When the aux pool cannot take them,
+    that group runs no competition (quantized unchanged), tracing stops, and every token is still served."""
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=3, aux_cap=aux_cap, no_outlier_layers=0)
+    rng = np.random.default_rng(4)
+    n_groups, D = 5, 64
+    k = rng.standard_normal((n_groups * 32, D)).astype(np.float32) * 5
+    base = rng.standard_normal((3, D)).astype(np.float16).astype(np.float32)
+    for g in range(n_groups):
+        k[g * 32 + 10 : g * 32 + 13] = base * np.float32(2.0 ** -(g + 1))  # exactly half the scores each group
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    cache = OttCache(cfg, 1, 1, D)
+    run(cache, 0, 0, None, k[:, None], v[:, None], [])
+    s = cache.state(0, 0, 0)
+    winners = [list(range(g * 32 + 10, g * 32 + 13)) for g in range(n_groups)]
+    assert not s.tracing
+    assert [g.placeholders.tolist() for g in s.groups] == winners[:stop_group] + [[]] * (n_groups - stop_group)
+    assert s.pool.pos.tolist() == winners[stop_group - 1]
+    assert s.aux.pos.tolist() == sum(winners[: stop_group - 1], [])
+    for g in s.groups[stop_group:]:  # quantized plainly
+        qk = quantize(k[g.index * 32 : (g.index + 1) * 32].astype(np.float16).astype(np.float32).T, BlockFormat(2, 32))
+        assert np.array_equal(g.k_codes, qk.codes[:, 0])
+    _, sk, sv = s.served()
+    pooled = np.concatenate([s.pool.pos, s.aux.pos])
+    assert f16_equal(sk[pooled], k[pooled]) and f16_equal(sv[pooled], v[pooled])
+    check_against_model(s, cfg, 3, k.astype(np.float16), v.astype(np.float16))
+
+
+def test_planted_outlier_is_caught_and_narrows_the_channel() -> None:
+    """A token with a tiny key in a large channel wins the pool; the channel's range shrinks vs KIVI, and the
+    non-outlier mean keeps each channel's range that of the non-outlier tokens."""
+    D, G = 64, 32
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((G + 8, D)).astype(np.float32)
+    k[:, 5] = 40 + rng.standard_normal(G + 8).astype(np.float32)
+    k[13] *= np.float32(0.05)  # the planted outlier token: its channel 5 is ~2 instead of ~40
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    states = {}
+    for name, cfg in {
+        "ott": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0),
+        "all": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0, mean="all"),
+        "kivi": OttConfig.kivi2(G=G, R=8, Gv=32),
+    }.items():
+        cache = OttCache(cfg, 1, 1, D)
+        run(cache, 0, 0, None, k[:, None], v[:, None], [])
+        states[name] = cache.state(0, 0, 0)
+    ott, kivi = states["ott"].groups[0], states["kivi"].groups[0]
+    assert 13 in states["ott"].pool.pos.tolist()
+    assert float(ott.k_scale[5]) < 0.25 * float(kivi.k_scale[5])
+    others = np.delete(np.arange(G), ott.placeholders)
+    k16 = k[:G].astype(np.float16).astype(np.float32)
+    nlev = np.float32(3)
+    assert f16_equal(ott.k_min, k16[others].min(axis=0))
+    assert f16_equal(ott.k_scale, ((k16[others].max(axis=0) - k16[others].min(axis=0)) / nlev).astype(np.float16))
+    err_ott = np.abs(ott.k_hat[others, 5] - k16[others, 5]).mean()
+    err_kivi = np.abs(kivi.k_hat[others, 5] - k16[others, 5]).mean()
+    assert err_ott < 0.5 * err_kivi
+    # the paper's "mean of all tokens" drags the placeholder toward the outlier: a different group
+    assert not np.array_equal(states["all"].groups[0].k_codes, ott.k_codes)
+
+
+def test_extreme_magnitudes() -> None:
+    """Keys and values near the fp16 maximum and in its subnormals: finite scales, exact pools, dense equality
+    with the identity quantizer, and out-of-range inputs refused."""
+    rng = np.random.default_rng(6)
+    n, H, D = 200, 2, 64
+    k, v = make_kv(rng, n, H, D, "magnitudes")
+    k[5, 0] = 60000.0
+    k[6, 0] = -60000.0
+    k[7, 0] = 6e-8  # the smallest fp16 subnormal
+    q = (rng.standard_normal((n, 2, D)) * 1e-4).astype(np.float32)
+    for identity in (False, True):
+        cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=6, no_outlier_layers=0, identity=identity)
+        cache = OttCache(cfg, 1, H, D)
+        out = run(cache, 0, 0, q, k, v, [33, 100])
+        assert np.isfinite(out).all()
+        for h in range(H):
+            check_against_model(cache.state(0, 0, h), cfg, 3, k[:, h].astype(np.float16), v[:, h].astype(np.float16))
+        if identity:
+            want = dense_gqa(q, k.astype(np.float16), v.astype(np.float16), np.arange(n), np.arange(n))
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError):
+        OttCache(OttConfig(), 1, 1, 64).process_ubatch(0, 0, None, np.full((1, 1, 64), 1e5), np.zeros((1, 1, 64)), [0])
+
+
+# -------------------------------------------------------------------------------------------------- seq_rm
+
+
+def fed(cache: OttCache, k: np.ndarray, v: np.ndarray, cuts: list[int], seq: int = 0) -> None:
+    run(cache, seq, 0, None, k, v, cuts)
+
+
+@pytest.mark.parametrize("p0", [1, 31, 32, 45, 64, 70, 100, 127, 150])
+def test_seq_rm_kivi_equals_fresh_run_on_served_values(p0: int) -> None:
+    """kivi2: seq_rm(p0) then continuing equals a fresh cache fed the same tokens, where the tokens of an
+    unsealed group are replaced by fp16 of what they were served as (their dequantized values)."""
+    cfg = OttConfig.kivi2(G=32, R=8, Gv=32)
+    rng = np.random.default_rng(p0)
+    n, H, D = 160, 2, 64
+    k, v = make_kv(rng, n, H, D, "outlier_channels")
+    k2, v2 = make_kv(rng, 120, H, D, "normal")
+    cache = OttCache(cfg, 1, H, D)
+    fed(cache, k, v, [50])
+    before = [cache.state(0, 0, h) for h in range(H)]
+    cache.seq_rm(0, p0)
+    assert cache.n_pos(0) == p0
+    # what the truncated sequence must look like: kept groups as they were, the unsealed group's tokens (and the
+    # tail) as they were served, in fp16
+    n_keep = min(before[0].n_sealed, p0 // cfg.G)
+    lo = n_keep * cfg.G
+    kx, vx = k[:p0].copy(), v[:p0].copy()
+    for h, s in enumerate(before):
+        _, sk, sv = s.served()
+        kx[lo:, h], vx[lo:, h] = sk[lo:p0], sv[lo:p0]
+    for h in range(H):
+        s = cache.state(0, 0, h)
+        assert s.n_sealed == n_keep and s.tail_pos.tolist() == list(range(n_keep * cfg.G, p0))
+        assert f16_equal(s.tail_k, kx[n_keep * cfg.G :, h]) and f16_equal(s.tail_v, vx[n_keep * cfg.G :, h])
+    fed(cache, k2, v2, [7])
+    fresh = OttCache(cfg, 1, H, D)
+    fed(fresh, np.concatenate([kx, k2]), np.concatenate([vx, v2]), [])
+    for h in range(H):
+        assert_state_equal(cache.state(0, 0, h), fresh.state(0, 0, h))
+
+
+@pytest.mark.parametrize("p0", [33, 45, 64, 90, 127, 128, 150, 170])
+def test_seq_rm_ott_unseal_and_continue(p0: int) -> None:
+    """ott2: the state after seq_rm(p0) is exactly the documented one, continuing keeps every invariant, and with
+    the identity quantizer the outputs afterwards are dense attention over the truncated sequence (exact rollback)."""
+    rng = np.random.default_rng(100 + p0)
+    n, H, D = 200, 1, 64
+    k, v = make_kv(rng, n, H, D, "outlier_channels")
+    k[[3, 40, 41, 75, 99, 130]] *= np.float32(0.01)  # pooled tokens in several groups, some lose to later ones
+    k2, v2 = make_kv(rng, 100, H, D, "outlier_channels")
+    q2 = rng.standard_normal((100, 2, D)).astype(np.float32)
+    for identity in (False, True):
+        cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=8, no_outlier_layers=0, identity=identity)
+        cache = OttCache(cfg, 1, H, D)
+        fed(cache, k, v, [60, 130])
+        s0 = cache.state(0, 0, 0)
+        assert len(s0.aux) > 0  # the scenario exercises the aux pool
+        cache.seq_rm(0, p0)
+        s = cache.state(0, 0, 0)
+        n_keep = min(s0.n_sealed, p0 // cfg.G)
+        lo = n_keep * cfg.G
+        _, sk, sv = s0.served()
+        assert s.n_sealed == n_keep and s.tracing == s0.tracing
+        for ga, gb in zip(s.groups, s0.groups[:n_keep], strict=True):
+            assert np.array_equal(ga.k_codes, gb.k_codes) and np.array_equal(ga.placeholders, gb.placeholders)
+        assert s.tail_pos.tolist() == list(range(lo, p0))
+        assert f16_equal(s.tail_k, sk[lo:p0]) and f16_equal(s.tail_v, sv[lo:p0])
+        assert s.pool.pos.tolist() == [p for p in s0.pool.pos.tolist() if p < lo]
+        assert s.aux.pos.tolist() == [p for p in s0.aux.pos.tolist() if p < lo]
+        assert np.array_equal(s.pool.score, s0.pool.score[s0.pool.pos < lo])
+        out = run(cache, 0, 0, q2, k2, v2, [10, 50])
+        s1 = cache.state(0, 0, 0)
+        pooled = np.concatenate([s1.pool.pos, s1.aux.pos])
+        assert len(s1.pool) <= 2 and len(s1.aux) <= 8 and len(np.unique(pooled)) == len(pooled)
+        assert sorted(pooled.tolist()) == sorted(p for g in s1.groups for p in g.placeholders.tolist())
+        assert s1.n_sealed == n_sealed_after(p0 + 100, cfg) and s1.n_pos == p0 + 100
+        if identity:
+            kk = np.concatenate([k[:p0], k2]).astype(np.float16)
+            vv = np.concatenate([v[:p0], v2]).astype(np.float16)
+            want = dense_gqa(q2, kk, vv, np.arange(p0, p0 + 100), np.arange(p0 + 100))
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("p0", [45, 50, 59])
+def test_seq_rm_within_tail_equals_fresh_run(p0: int) -> None:
+    """ott2: removing only tail positions leaves the sealed state untouched: continuing equals a fresh run."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0)
+    rng = np.random.default_rng(p0)
+    H, D = 2, 64
+    k, v = make_kv(rng, 60, H, D, "outlier_channels")
+    k2, v2 = make_kv(rng, 90, H, D, "outlier_channels")
+    cache = OttCache(cfg, 1, H, D)
+    fed(cache, k, v, [])
+    assert cache.state(0, 0, 0).n_sealed == 1
+    cache.seq_rm(0, p0)
+    fed(cache, k2, v2, [5])
+    fresh = OttCache(cfg, 1, H, D)
+    fed(fresh, np.concatenate([k[:p0], k2]), np.concatenate([v[:p0], v2]), [])
+    for h in range(H):
+        assert_state_equal(cache.state(0, 0, h), fresh.state(0, 0, h))
+
+
+def test_seq_rm_everything_and_past_the_end() -> None:
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=0, no_outlier_layers=0)
+    rng = np.random.default_rng(9)
+    k, v = make_kv(rng, 140, 1, 64, "outlier_channels")
+    cache = OttCache(cfg, 1, 1, 64)
+    fed(cache, k, v, [])
+    before = cache.state(0, 0, 0)
+    cache.seq_rm(0, 500)  # nothing at or after 500: no change
+    assert_state_equal(cache.state(0, 0, 0), before)
+    cache.seq_rm(0, 0)  # everything: a fresh sequence, tracing on again
+    assert cache.n_pos(0) == 0 and cache.state(0, 0, 0).tracing
+    fed(cache, k, v, [70])
+    assert_state_equal(cache.state(0, 0, 0), before)
+
+
+# ------------------------------------------------------------------------------------ sequences and layers
+
+
+def test_sequences_are_independent() -> None:
+    """Interleaved ubatches of three sequences, and a seq_rm on one, give each the state it has alone."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=4, no_outlier_layers=1)
+    rng = np.random.default_rng(10)
+    H, D, L = 2, 64, 2
+    data = [make_kv(rng, 150, H, D, kind) for kind in ("outlier_channels", "ties", "normal")]
+    qs = [rng.standard_normal((150, 4, D)).astype(np.float32) for _ in data]
+    shared = OttCache(cfg, L, H, D)
+    outs: dict[tuple[int, int], list[np.ndarray]] = {}
+    for a, b in [(0, 40), (40, 41), (41, 100), (100, 150)]:
+        for seq in (2, 0, 1):
+            k, v = data[seq]
+            for layer in range(L):
+                o = shared.process_ubatch(seq, layer, qs[seq][a:b], k[a:b], v[a:b], np.arange(a, b))
+                outs.setdefault((seq, layer), []).append(o)
+    shared.seq_rm(1, 20)
+    for seq, (k, v) in enumerate(data):
+        alone = OttCache(cfg, L, H, D)
+        for layer in range(L):
+            want = run(alone, 0, layer, qs[seq], k, v, [40, 41, 100])
+            np.testing.assert_array_equal(np.concatenate(outs[(seq, layer)]), want)
+        if seq == 1:
+            alone.seq_rm(0, 20)
+        for layer in range(L):
+            for h in range(H):
+                assert_state_equal(shared.state(seq, layer, h), alone.state(0, layer, h))
+
+
+def test_no_outlier_layers_never_pool() -> None:
+    """Layers below no_outlier_layers are plain KIVI (bit-identical to kivi2); the others pool."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=4, no_outlier_layers=2)
+    rng = np.random.default_rng(11)
+    H, D, L = 2, 64, 4
+    k, v = make_kv(rng, 150, H, D, "outlier_channels")
+    cache = OttCache(cfg, L, H, D)
+    kivi = OttCache(OttConfig.kivi2(G=32, R=8, Gv=32, aux_cap=4), 1, H, D)
+    fed(kivi, k, v, [])
+    for layer in range(L):
+        run(cache, 0, layer, None, k, v, [20])
+    for h in range(H):
+        for layer in range(L):
+            s = cache.state(0, layer, h)
+            if layer < 2:
+                assert len(s.pool) == len(s.aux) == 0 and s.tracing
+                assert_state_equal(s, kivi.state(0, 0, h))
+            else:
+                assert len(s.pool) == 3
+                check_against_model(s, cfg, 3, k[:, h].astype(np.float16), v[:, h].astype(np.float16))
+
+
+# ------------------------------------------------------------------------------------------ memory and API
+
+
+def test_effective_bits() -> None:
+    cfg = OttConfig(G=128, R=32, Gv=128)
+    D = 128
+    # 160 positions: one sealed group (128) and a 32-token tail; 35 pool slots
+    want = 2 * 128 * D * 2 + 32 * D * 128 / 128 + 32 * 128 * D / 128 + 2 * 16 * D * 32 + 35 * (2 * 16 * D + 64)
+    assert sum(memory_bits(cfg, D, 160).values()) == want
+    assert effective_bits(cfg, D, 160) == want / (2 * 160 * D)
+    assert abs(effective_bits(cfg, D, 128 * 100_000 + 32) - 2.25) < 1e-3  # the spec's 2.25
+    kivi = OttConfig.kivi2(G=128, R=32, Gv=128)
+    assert memory_bits(kivi, D, 160)["pools"] == 0
+    # a 4-layer model: two layers without pools
+    per_layer = [sum(memory_bits(cfg, D, 500, layer).values()) for layer in range(4)]
+    assert per_layer[0] == per_layer[1] < per_layer[2] == per_layer[3]
+    assert effective_bits(cfg, D, 500, n_layer=4) == sum(per_layer) / (4 * 2 * 500 * D)
+    # fewer than R + G positions: everything in the fp16 tail (16 bits) plus the pools
+    assert effective_bits(kivi, D, 100) == 16.0
+
+
+def test_config_and_input_validation() -> None:
+    with pytest.raises(ValueError):
+        OttConfig(G=48)
+    with pytest.raises(ValueError):
+        OttConfig(Gv=16)
+    with pytest.raises(ValueError):
+        OttConfig(G=32, outlier_num=32)
+    with pytest.raises(ValueError):
+        OttConfig(mean="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        OttCache(OttConfig(Gv=64), 1, 1, 96)
+    assert OttConfig.kivi2().outlier_num == 0 and OttConfig().outliers_for_layer(1) == 0
+    cache = OttCache(OttConfig(G=32, Gv=32), 1, 2, 64)
+    z = np.zeros((2, 2, 64), np.float32)
+    with pytest.raises(ValueError):
+        cache.process_ubatch(0, 0, None, z, z, [1, 2])  # must start at 0
+    cache.process_ubatch(0, 0, None, z, z, [0, 1])
+    with pytest.raises(ValueError):
+        cache.process_ubatch(0, 0, None, z, z, [3, 4])  # a gap
+    with pytest.raises(ValueError):
+        cache.process_ubatch(0, 0, np.zeros((2, 3, 64), np.float32), z, z, [2, 3])  # 3 query heads for 2 KV heads
