@@ -89,6 +89,47 @@ class Config:
         return 4 + sum(p.nbytes for p in self.planes)
 
 
+@dataclass(frozen=True)
+class HeadConfig:
+    """One ott2 cache config for the per-head kernels: K blocks of G tokens, V blocks of Gv channels."""
+
+    bits: int
+    G: int
+    Gv: int
+
+    @property
+    def k(self) -> Config:
+        return Config(self.bits, self.G)
+
+    @property
+    def v(self) -> Config:
+        return Config(self.bits, self.Gv)
+
+    @property
+    def tag(self) -> str:
+        return f"h{self.bits}g{self.G}v{self.Gv}"
+
+
+def parse_heads(text: str) -> list[HeadConfig]:
+    out = []
+    for item in text.split(","):
+        b, g, gv = item.strip().split(":")
+        hc = HeadConfig(int(b), int(g), int(gv))
+        Config(hc.bits, hc.G), Config(hc.bits, hc.Gv)  # noqa: B018 (validates both block formats)
+        out.append(hc)
+    return out
+
+
+def with_head_formats(configs: list[Config], heads: list[HeadConfig]) -> list[Config]:
+    """The block configs plus every K and V format the head configs need, each once, in a stable order."""
+    out = list(configs)
+    for hc in heads:
+        for c in (hc.k, hc.v):
+            if c not in out:
+                out.append(c)
+    return out
+
+
 def parse_configs(text: str) -> list[Config]:
     out = []
     for item in text.split(","):
@@ -141,14 +182,17 @@ def gen_ggml(out: Path, cfg: Config) -> dict[str, str]:
     }
 
 
-def gen_kernels(out: Path, configs: list[Config], arch: str) -> dict[str, str]:
+def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch: str) -> dict[str, str]:
     e = env()
     isas = ISAS[arch]
+    configs = with_head_formats(configs, heads)
     p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs)
-    files = {"ott-kernels.h": render(e, "kernels.h.j2", p, configs=configs, isas=isas)}
+    p += ", heads=" + ",".join(f"{h.bits}:{h.G}:{h.Gv}" for h in heads)
+    kw = dict(configs=configs, heads=heads)
+    files = {"ott-kernels.h": render(e, "kernels.h.j2", p, isas=isas, **kw)}
     for isa in isas:
-        files[f"ott-kernels-{isa}.c"] = render(e, "kernels_isa.c.j2", p + f", isa={isa}", configs=configs, isa=isa)
-    files["ott-kernels-table.c"] = render(e, "kernels_table.c.j2", p, configs=configs, isas=isas)
+        files[f"ott-kernels-{isa}.c"] = render(e, "kernels_isa.c.j2", p + f", isa={isa}", isa=isa, **kw)
+    files["ott-kernels-table.c"] = render(e, "kernels_table.c.j2", p, isas=isas, **kw)
     return files
 
 
@@ -165,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, default=2, help="ggml target: code width (default 2)")
     ap.add_argument("--group", type=int, default=64, help="ggml target: values per block (default 64)")
     ap.add_argument("--configs", default="2:32,2:64,2:128,3:64,4:64", help="kernels/cuda: bits:group list")
+    ap.add_argument(
+        "--heads", default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64", help="kernels: bits:G:Gv per-head configs"
+    )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")
     args = ap.parse_args(argv)
@@ -177,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.target == "ggml":
             files = gen_ggml(args.out, Config(args.bits, args.group))
         elif args.target == "kernels":
-            files = gen_kernels(args.out, parse_configs(args.configs), args.arch)
+            files = gen_kernels(args.out, parse_configs(args.configs), parse_heads(args.heads), args.arch)
         else:
             files = gen_cuda(args.out, parse_configs(args.configs))
     except (ValueError, jinja2.TemplateError) as exc:

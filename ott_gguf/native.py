@@ -31,6 +31,28 @@ _ffi.cdef(
                              const void * y, size_t by, int nrc);
     } ott_kernel;
     const ott_kernel * ott_kernels(int * n);
+
+    typedef struct { int32_t pos; float score; } ott_slot_meta;
+    typedef int (*ott_seal_fn)(int D, uint16_t * gk, uint16_t * gv, int32_t pos0, int outlier_num, int aux_cap,
+            ott_slot_meta * pool_meta, uint16_t * pool_k, uint16_t * pool_v, int * n_pool,
+            ott_slot_meta * aux_meta, uint16_t * aux_k, uint16_t * aux_v, int * n_aux, int * tracing,
+            void * kq, void * vq);
+    typedef void (*ott_attn_fn)(int D, const float * q, int32_t q_pos, float scale,
+            int n_sealed, const void * kq, const void * vq,
+            int n_pooled, const int32_t * pooled_pos, const uint16_t * pooled_k, const uint16_t * pooled_v,
+            int n_tail, int32_t tail_pos0, const uint16_t * tail_k, const uint16_t * tail_v, int tail_stride,
+            float * out);
+    typedef struct {
+        int bits;
+        int G;
+        int Gv;
+        const char * isa;
+        size_t k_block_bytes;
+        size_t v_block_bytes;
+        ott_seal_fn seal;
+        ott_attn_fn attn;
+    } ott_head_kernel;
+    const ott_head_kernel * ott_head_kernels(int * n);
     int ott_cpu_supports(const char * isa);
 
     typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
@@ -104,6 +126,130 @@ class KernelSet:
         return float(s[0])
 
 
+@dataclass
+class PoolArrays:
+    """An outlier or aux pool as the native seal kernel keeps it (sorted by position)."""
+
+    pos: np.ndarray  # (n,) int32
+    score: np.ndarray  # (n,) float32
+    k: np.ndarray  # (n, D) float16
+    v: np.ndarray  # (n, D) float16
+
+
+@dataclass
+class SealResult:
+    kq: np.ndarray  # (D, k_block_bytes) uint8: channel c's block over the group's G tokens
+    vq: np.ndarray  # (G * D/Gv, v_block_bytes) uint8
+    pool: PoolArrays
+    aux: PoolArrays
+    tracing: bool
+    n_won: int
+
+
+def _u16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float16)).view(np.uint16)
+
+
+@dataclass(frozen=True)
+class HeadKernelSet:
+    """The per-head seal and attention kernels of the ott2 cache for one (bits, G, Gv) and ISA."""
+
+    bits: int
+    G: int
+    Gv: int
+    isa: str
+    k_block_bytes: int
+    v_block_bytes: int
+    _k: object
+
+    def seal(
+        self,
+        gk: np.ndarray,
+        gv: np.ndarray,
+        pos0: int,
+        outlier_num: int,
+        aux_cap: int,
+        pool: PoolArrays,
+        aux: PoolArrays,
+        tracing: bool,
+    ) -> SealResult:
+        """Seal one group (gk, gv: (G, D) fp16 as cached) given the head's pools; inputs are not modified."""
+        G, D = np.shape(gk)
+        if G != self.G or D % self.Gv:
+            raise ValueError(f"group must be ({self.G}, multiple of {self.Gv}), got {(G, D)}")
+        gk16 = _u16(gk).copy()
+        gv16 = _u16(gv).copy()
+
+        def slots(p: PoolArrays, cap: int) -> tuple[object, np.ndarray, np.ndarray, object]:
+            meta = _ffi.new("ott_slot_meta[]", max(cap, 1))
+            for i in range(len(p.pos)):
+                meta[i].pos = int(p.pos[i])
+                meta[i].score = float(p.score[i])
+            k = np.zeros((max(cap, 1), D), np.uint16)
+            v = np.zeros((max(cap, 1), D), np.uint16)
+            k[: len(p.pos)] = _u16(p.k)
+            v[: len(p.pos)] = _u16(p.v)
+            n = _ffi.new("int *", len(p.pos))
+            return meta, k, v, n
+
+        pm, pk, pv, pn = slots(pool, outlier_num)
+        am, ak, av, an = slots(aux, aux_cap)
+        tr = _ffi.new("int *", int(tracing))
+        kq = np.zeros((D, self.k_block_bytes), np.uint8)
+        vq = np.zeros((G * D // self.Gv, self.v_block_bytes), np.uint8)
+        u16 = "uint16_t *"
+        n_won = self._k.seal(
+            D, _ffi.cast(u16, _ffi.from_buffer(gk16)), _ffi.cast(u16, _ffi.from_buffer(gv16)), pos0, outlier_num,
+            aux_cap, pm, _ffi.cast(u16, _ffi.from_buffer(pk)), _ffi.cast(u16, _ffi.from_buffer(pv)), pn,
+            am, _ffi.cast(u16, _ffi.from_buffer(ak)), _ffi.cast(u16, _ffi.from_buffer(av)), an, tr,
+            _ffi.from_buffer(kq), _ffi.from_buffer(vq),
+        )  # fmt: skip
+
+        def back(meta: object, k: np.ndarray, v: np.ndarray, n: object) -> PoolArrays:
+            m = int(n[0])  # type: ignore[index]
+            return PoolArrays(
+                pos=np.array([meta[i].pos for i in range(m)], np.int32),  # type: ignore[index]
+                score=np.array([meta[i].score for i in range(m)], np.float32),  # type: ignore[index]
+                k=k[:m].view(np.float16).copy(),
+                v=v[:m].view(np.float16).copy(),
+            )
+
+        return SealResult(kq, vq, back(pm, pk, pv, pn), back(am, ak, av, an), bool(tr[0]), int(n_won))
+
+    def attn(
+        self,
+        q: np.ndarray,
+        q_pos: int,
+        scale: float,
+        kq: np.ndarray,
+        vq: np.ndarray,
+        n_sealed: int,
+        pooled_pos: np.ndarray,
+        pooled_k: np.ndarray,
+        pooled_v: np.ndarray,
+        tail_pos0: int,
+        tail_k: np.ndarray,
+        tail_v: np.ndarray,
+    ) -> np.ndarray:
+        """One query row (D,) over one head's state; kq/vq hold n_sealed groups back to back."""
+        q = _f32(q).reshape(-1)
+        D = q.size
+        out = np.zeros(D, np.float32)
+        kq = np.ascontiguousarray(kq, np.uint8)
+        vq = np.ascontiguousarray(vq, np.uint8)
+        ppos = np.ascontiguousarray(pooled_pos, np.int32)
+        pk, pv = _u16(pooled_k).reshape(-1, D), _u16(pooled_v).reshape(-1, D)
+        tk, tv = _u16(tail_k).reshape(-1, D), _u16(tail_v).reshape(-1, D)
+        u16 = "uint16_t *"
+        self._k.attn(
+            D, _ptr(q, "float *"), q_pos, scale, n_sealed, _ffi.from_buffer(kq), _ffi.from_buffer(vq),
+            len(ppos), _ffi.cast("int32_t *", _ffi.from_buffer(ppos)), _ffi.cast(u16, _ffi.from_buffer(pk)),
+            _ffi.cast(u16, _ffi.from_buffer(pv)), tk.shape[0], tail_pos0, _ffi.cast(u16, _ffi.from_buffer(tk)),
+            _ffi.cast(u16, _ffi.from_buffer(tv)), D, _ffi.cast("float *", _ffi.from_buffer(out)),
+        )  # fmt: skip
+        return out
+
+
 class Kernels:
     """The stand-alone generated kernel library."""
 
@@ -115,6 +261,11 @@ class Kernels:
             KernelSet(t.bits, t.group, _ffi.string(t.isa).decode(), int(t.block_bytes), t)
             for t in (table[i] for i in range(n[0]))
         ]
+        heads = self._lib.ott_head_kernels(n)
+        self._heads = [
+            HeadKernelSet(t.bits, t.G, t.Gv, _ffi.string(t.isa).decode(), int(t.k_block_bytes), int(t.v_block_bytes), t)
+            for t in (heads[i] for i in range(n[0]))
+        ]
 
     @property
     def isas(self) -> list[str]:
@@ -123,6 +274,16 @@ class Kernels:
     @property
     def configs(self) -> list[tuple[int, int]]:
         return sorted({(k.bits, k.group) for k in self._sets})
+
+    @property
+    def head_configs(self) -> list[tuple[int, int, int]]:
+        return sorted({(h.bits, h.G, h.Gv) for h in self._heads})
+
+    def head(self, bits: int, G: int, Gv: int, isa: str) -> HeadKernelSet:
+        for h in self._heads:
+            if (h.bits, h.G, h.Gv, h.isa) == (bits, G, Gv, isa):
+                return h
+        raise KeyError(f"no head kernels for bits={bits}, G={G}, Gv={Gv}, isa={isa}")
 
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pytest
+
+from ott_gguf import quantizer as Q
+from ott_gguf import reference as ref
+from ott_gguf.native import PoolArrays, SealResult
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -42,3 +49,111 @@ def make_inputs(rng: np.random.Generator, group: int, nblocks: int = 64) -> np.n
     x[7] = -7.0
     x[7, 3] = -7.0 + 1e-7  # range below fp16 resolution of the scale: scale 0
     return x.reshape(-1)
+
+
+# --- per-head kernels of the ott2 cache vs the numpy reference ---------------------------------------------
+
+
+class HeadKernels(Protocol):
+    """What the head-kernel tests drive: the cffi kernels, or the aarch64 driver under qemu."""
+
+    k_block_bytes: int
+    v_block_bytes: int
+
+    def seal(self, gk: np.ndarray, gv: np.ndarray, pos0: int, outlier_num: int, aux_cap: int, pool: PoolArrays,
+             aux: PoolArrays, tracing: bool) -> SealResult: ...  # fmt: skip
+
+    def attn(self, q: np.ndarray, q_pos: int, scale: float, kq: np.ndarray, vq: np.ndarray, n_sealed: int,
+             pooled_pos: np.ndarray, pooled_k: np.ndarray, pooled_v: np.ndarray, tail_pos0: int,
+             tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray: ...  # fmt: skip
+
+
+def as_arrays(p: ref.Pool) -> PoolArrays:
+    return PoolArrays(pos=p.pos.astype(np.int32), score=p.score.astype(np.float32), k=p.k, v=p.v)
+
+
+def pack_group(g: ref.SealedGroup, cfg: ref.OttConfig) -> tuple[np.ndarray, np.ndarray]:
+    D, G = g.k_codes.shape
+    kq = Q.pack(Q.Quantized(g.k_codes.reshape(D, 1, G), g.k_scale.reshape(D, 1), g.k_min.reshape(D, 1)), cfg.k_format)
+    vq = Q.pack(Q.Quantized(g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), g.v_scale, g.v_min), cfg.v_format)
+    return kq, vq
+
+
+def assert_pool_equal(got: PoolArrays, want: ref.Pool, what: str) -> None:
+    assert got.pos.tolist() == want.pos.tolist(), what
+    np.testing.assert_array_equal(got.score, want.score.astype(np.float32), err_msg=what)
+    np.testing.assert_array_equal(got.k.view(np.uint16), want.k.view(np.uint16), err_msg=what)
+    np.testing.assert_array_equal(got.v.view(np.uint16), want.v.view(np.uint16), err_msg=what)
+
+
+@dataclass
+class Native:
+    """The native side's state of one head, advanced only by the native seal kernel."""
+
+    D: int
+    pool: PoolArrays = field(init=False)
+    aux: PoolArrays = field(init=False)
+    tracing: bool = True
+    kq: list[np.ndarray] = field(default_factory=list)
+    vq: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        e = np.zeros((0, self.D), np.float16)
+        self.pool = PoolArrays(np.zeros(0, np.int32), np.zeros(0, np.float32), e, e)
+        self.aux = PoolArrays(np.zeros(0, np.int32), np.zeros(0, np.float32), e, e)
+
+
+def lockstep(hk: HeadKernels, cfg: ref.OttConfig, outlier_num: int, k: np.ndarray, v: np.ndarray,
+             ubatches: list[int]) -> tuple[ref.HeadState, Native]:  # fmt: skip
+    """Feed the same tokens to the reference and to the native seal kernel; compare after every seal."""
+    D = k.shape[1]
+    st = ref.HeadState.empty(cfg.G, D)
+    nat = Native(D)
+    start = 0
+    for n in ubatches:
+        sl = slice(start, start + n)
+        st.tail_pos = np.concatenate([st.tail_pos, np.arange(start, start + n)])
+        st.tail_k = np.concatenate([st.tail_k, k[sl].astype(np.float16)])
+        st.tail_v = np.concatenate([st.tail_v, v[sl].astype(np.float16)])
+        start += n
+        while st.n_pos - (st.n_sealed + 1) * cfg.G >= cfg.R:
+            g = st.n_sealed
+            res = hk.seal(st.tail_k[: cfg.G], st.tail_v[: cfg.G], g * cfg.G, outlier_num, cfg.aux_cap,
+                          nat.pool, nat.aux, nat.tracing)  # fmt: skip
+            ref.seal_group(st, cfg, outlier_num)
+            kq, vq = pack_group(st.groups[-1], cfg)
+            np.testing.assert_array_equal(res.kq, kq, err_msg=f"K blocks of group {g}")
+            np.testing.assert_array_equal(res.vq, vq, err_msg=f"V blocks of group {g}")
+            assert_pool_equal(res.pool, st.pool, f"outlier pool after group {g}")
+            assert_pool_equal(res.aux, st.aux, f"aux pool after group {g}")
+            assert res.tracing == st.tracing
+            assert res.n_won == len(st.groups[-1].placeholders)
+            nat.pool, nat.aux, nat.tracing = res.pool, res.aux, res.tracing
+            nat.kq.append(res.kq)
+            nat.vq.append(res.vq)
+    return st, nat
+
+
+def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.random.Generator) -> None:
+    D = st.head_dim
+    scale = 1.0 / math.sqrt(D)
+    pooled = st.pooled()
+    kq = np.concatenate(nat.kq) if nat.kq else np.zeros((0, hk.k_block_bytes), np.uint8)
+    vq = np.concatenate(nat.vq) if nat.vq else np.zeros((0, hk.v_block_bytes), np.uint8)
+    lo = st.n_sealed * st.G
+    for q_pos in sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo}):
+        q = (rng.standard_normal(D) * 0.5).astype(np.float32)
+        want = ref.attend(st, q[None], np.array([q_pos]), scale)[0]
+        got = hk.attn(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
+        vmax = float(np.abs(st.served()[2]).max())
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * vmax)
+
+
+def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys with a few large channels (as post-RoPE keys have), a few planted tiny-key tokens; plain values."""
+    ch = np.exp(rng.normal(0, 1.0, D)).astype(np.float32)
+    k = (rng.standard_normal((n, D)) * ch).astype(np.float32)
+    for t in rng.choice(n, size=max(1, n // 50), replace=False):
+        k[t] *= 0.01
+    v = rng.standard_normal((n, D)).astype(np.float32)
+    return k, v

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from ott_gguf import quantizer as Q
+from ott_gguf import reference as ref
+from ott_gguf.native import PoolArrays, SealResult
 
-from helpers import ROOT, make_inputs, require_tool
+from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
 
 CONFIGS = [(2, 32), (2, 64), (2, 128), (3, 64), (4, 64)]
+HEADS = [(2, 128, 64), (2, 64, 32), (3, 128, 64), (4, 128, 64)]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 
@@ -102,3 +105,85 @@ def test_aarch64_kernels_match_numpy(driver: Path, bits: int, group: int, isa: s
     got_dot = float(np.frombuffer(run(driver, bits, group, isa, "vec_dot", payload, tmp_path), dtype=np.float32)[0])
     want_dot, mag = Q.vec_dot_q8_1(want, q8, fmt)
     assert abs(got_dot - want_dot) <= 1e-5 * mag
+
+
+class QemuHead:
+    """The per-head kernels of the aarch64 driver, run under qemu-user, behind the cffi kernels' interface."""
+
+    def __init__(self, driver: Path, bits: int, G: int, Gv: int, isa: str, tmp: Path) -> None:
+        self.driver, self.args, self.tmp = driver, [str(bits), str(G), str(Gv), isa], tmp
+        self.G, self.Gv = G, Gv
+        self.k_block_bytes = Q.BlockFormat(bits, G).block_bytes
+        self.v_block_bytes = Q.BlockFormat(bits, Gv).block_bytes
+
+    def _run(self, op: str, payload: bytes) -> bytes:
+        src, dst = self.tmp / f"head-{op}.in", self.tmp / f"head-{op}.out"
+        src.write_bytes(payload)
+        subprocess.run([QEMU, "-cpu", "max", str(self.driver), "head", *self.args, op, str(src), str(dst)],
+                       check=True, timeout=120)  # fmt: skip
+        return dst.read_bytes()
+
+    @staticmethod
+    def _meta(p: PoolArrays) -> bytes:
+        m = np.zeros(len(p.pos), dtype=[("pos", "<i4"), ("score", "<f4")])
+        m["pos"], m["score"] = p.pos, p.score
+        return m.tobytes()
+
+    def seal(self, gk: np.ndarray, gv: np.ndarray, pos0: int, outlier_num: int, aux_cap: int, pool: PoolArrays,
+             aux: PoolArrays, tracing: bool) -> SealResult:  # fmt: skip
+        D = gk.shape[1]
+        head = np.array([D, pos0, outlier_num, aux_cap, len(pool.pos), len(aux.pos), int(tracing), 0], np.int32)
+        payload = b"".join([
+            head.tobytes(), np.asarray(gk, np.float16).tobytes(), np.asarray(gv, np.float16).tobytes(),
+            self._meta(pool), np.asarray(pool.k, np.float16).tobytes(), np.asarray(pool.v, np.float16).tobytes(),
+            self._meta(aux), np.asarray(aux.k, np.float16).tobytes(), np.asarray(aux.v, np.float16).tobytes(),
+        ])  # fmt: skip
+        out = self._run("seal", payload)
+        n_won, n_pool, n_aux, tr = np.frombuffer(out[:16], np.int32)
+        off = 16
+        kq_n, vq_n = D * self.k_block_bytes, self.G * (D // self.Gv) * self.v_block_bytes
+        kq = np.frombuffer(out[off : off + kq_n], np.uint8).reshape(D, -1)
+        off += kq_n
+        vq = np.frombuffer(out[off : off + vq_n], np.uint8).reshape(-1, self.v_block_bytes)
+        off += vq_n
+
+        def pool_at(n: int) -> PoolArrays:
+            nonlocal off
+            m = np.frombuffer(out[off : off + 8 * n], dtype=[("pos", "<i4"), ("score", "<f4")])
+            off += 8 * n
+            k = np.frombuffer(out[off : off + 2 * n * D], np.float16).reshape(n, D)
+            off += 2 * n * D
+            v = np.frombuffer(out[off : off + 2 * n * D], np.float16).reshape(n, D)
+            off += 2 * n * D
+            return PoolArrays(m["pos"].astype(np.int32), m["score"].astype(np.float32), k, v)
+
+        p, a = pool_at(int(n_pool)), pool_at(int(n_aux))
+        return SealResult(kq, vq, p, a, bool(tr), int(n_won))
+
+    def attn(self, q: np.ndarray, q_pos: int, scale: float, kq: np.ndarray, vq: np.ndarray, n_sealed: int,
+             pooled_pos: np.ndarray, pooled_k: np.ndarray, pooled_v: np.ndarray, tail_pos0: int,
+             tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray:  # fmt: skip
+        D = q.size
+        head = np.array([D, q_pos, n_sealed, len(pooled_pos), len(tail_k), tail_pos0], np.int32)
+        payload = b"".join([
+            head.tobytes(), np.float32(scale).tobytes(), np.asarray(q, np.float32).tobytes(),
+            np.ascontiguousarray(kq, np.uint8).tobytes(), np.ascontiguousarray(vq, np.uint8).tobytes(),
+            np.asarray(pooled_pos, np.int32).tobytes(), np.asarray(pooled_k, np.float16).tobytes(),
+            np.asarray(pooled_v, np.float16).tobytes(), np.asarray(tail_k, np.float16).tobytes(),
+            np.asarray(tail_v, np.float16).tobytes(),
+        ])  # fmt: skip
+        return np.frombuffer(self._run("attn", payload), np.float32).copy()
+
+
+@pytest.mark.parametrize("isa", ["neon", "scalar"])
+@pytest.mark.parametrize("bits,G,Gv", HEADS)
+def test_aarch64_head_kernels_match_reference(driver: Path, bits: int, G: int, Gv: int, isa: str,
+                                              tmp_path: Path) -> None:  # fmt: skip
+    hk = QemuHead(driver, bits, G, Gv, isa, tmp_path)
+    cfg = ref.OttConfig(bits=bits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4)
+    rng = np.random.default_rng(bits + G + Gv)
+    n = 4 * G + 40
+    k, v = keys_values(rng, n, 64)
+    st, nat = lockstep(hk, cfg, 3, k, v, [G + 5, n - G - 5])
+    assert st.n_sealed >= 3
+    check_attention(hk, st, nat, rng)

@@ -3,6 +3,8 @@
 //   ott_kernel_driver BITS GROUP ISA quantize   IN(f32...)             OUT(blocks)
 //   ott_kernel_driver BITS GROUP ISA dequantize IN(blocks)             OUT(f32...)
 //   ott_kernel_driver BITS GROUP ISA vec_dot    IN(i64 n, blocks, q8_1) OUT(f32)
+//   ott_kernel_driver head BITS G GV ISA seal IN OUT   per-head seal (layouts: see head_seal below)
+//   ott_kernel_driver head BITS G GV ISA attn IN OUT   per-head attention (see head_attn below)
 // Exit status 2 on bad usage or I/O, 3 when the kernel is not in the table.
 #include "ott-kernels.h"
 
@@ -37,7 +39,126 @@ static int write_all(const char * path, const void * data, size_t n) {
     return fclose(f) == 0 && ok;
 }
 
+typedef struct {
+    const unsigned char * p;
+    const unsigned char * end;
+} reader;
+
+static const void * take(reader * r, size_t n) {
+    const void * q = r->p;
+    if ((size_t) (r->end - r->p) < n) {
+        fprintf(stderr, "input too short\n");
+        exit(2);
+    }
+    r->p += n;
+    return q;
+}
+
+// IN:  int32 {D, pos0, outlier_num, aux_cap, n_pool, n_aux, tracing, 0}, gk, gv (G*D u16 each),
+//      pool: n_pool x {i32 pos, f32 score}, n_pool*D u16 K, n_pool*D u16 V; aux: the same with n_aux
+// OUT: int32 {n_won, n_pool, n_aux, tracing}, kq (D blocks), vq (G*D/Gv blocks), pool, aux (as in IN)
+static int head_seal(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+    reader r = { in, in + n_in };
+    int32_t h[8];
+    memcpy(h, take(&r, sizeof(h)), sizeof(h));
+    const int D = h[0], G = k->G;
+    int n_pool = h[4], n_aux = h[5], tracing = h[6];
+    const int cap_p = h[2] > 0 ? h[2] : 1, cap_a = h[3] > 0 ? h[3] : 1;
+    uint16_t * gk = malloc((size_t) G*D*2);
+    uint16_t * gv = malloc((size_t) G*D*2);
+    memcpy(gk, take(&r, (size_t) G*D*2), (size_t) G*D*2);
+    memcpy(gv, take(&r, (size_t) G*D*2), (size_t) G*D*2);
+    ott_slot_meta * pm = calloc((size_t) cap_p, sizeof(ott_slot_meta));
+    ott_slot_meta * am = calloc((size_t) cap_a, sizeof(ott_slot_meta));
+    uint16_t * pk = calloc((size_t) cap_p*D, 2), * pv = calloc((size_t) cap_p*D, 2);
+    uint16_t * ak = calloc((size_t) cap_a*D, 2), * av = calloc((size_t) cap_a*D, 2);
+    memcpy(pm, take(&r, (size_t) n_pool*sizeof(ott_slot_meta)), (size_t) n_pool*sizeof(ott_slot_meta));
+    memcpy(pk, take(&r, (size_t) n_pool*D*2), (size_t) n_pool*D*2);
+    memcpy(pv, take(&r, (size_t) n_pool*D*2), (size_t) n_pool*D*2);
+    memcpy(am, take(&r, (size_t) n_aux*sizeof(ott_slot_meta)), (size_t) n_aux*sizeof(ott_slot_meta));
+    memcpy(ak, take(&r, (size_t) n_aux*D*2), (size_t) n_aux*D*2);
+    memcpy(av, take(&r, (size_t) n_aux*D*2), (size_t) n_aux*D*2);
+    const size_t kq_n = (size_t) D*k->k_block_bytes, vq_n = (size_t) G*(D/k->Gv)*k->v_block_bytes;
+    unsigned char * kq = malloc(kq_n), * vq = malloc(vq_n);
+    const int n_won = k->seal(D, gk, gv, h[1], h[2], h[3], pm, pk, pv, &n_pool, am, ak, av, &n_aux, &tracing, kq, vq);
+    FILE * f = fopen(out_path, "wb");
+    if (!f) {
+        return 0;
+    }
+    const int32_t o[4] = { n_won, n_pool, n_aux, tracing };
+    fwrite(o, sizeof(o), 1, f);
+    fwrite(kq, 1, kq_n, f);
+    fwrite(vq, 1, vq_n, f);
+    fwrite(pm, sizeof(ott_slot_meta), (size_t) n_pool, f);
+    fwrite(pk, 2, (size_t) n_pool*D, f);
+    fwrite(pv, 2, (size_t) n_pool*D, f);
+    fwrite(am, sizeof(ott_slot_meta), (size_t) n_aux, f);
+    fwrite(ak, 2, (size_t) n_aux*D, f);
+    fwrite(av, 2, (size_t) n_aux*D, f);
+    return fclose(f) == 0;
+}
+
+// IN:  int32 {D, q_pos, n_sealed, n_pooled, n_tail, tail_pos0}, f32 scale, f32 q[D], kq, vq (n_sealed groups),
+//      i32 pooled_pos[n_pooled], u16 pooled_k, pooled_v [n_pooled*D], u16 tail_k, tail_v [n_tail*D]
+// OUT: f32 out[D]
+static int head_attn(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+    reader r = { in, in + n_in };
+    int32_t h[6];
+    memcpy(h, take(&r, sizeof(h)), sizeof(h));
+    float scale;
+    memcpy(&scale, take(&r, 4), 4);
+    const int D = h[0], G = k->G;
+    const float * q = take(&r, (size_t) D*4);
+    const void * kq = take(&r, (size_t) h[2]*D*k->k_block_bytes);
+    const void * vq = take(&r, (size_t) h[2]*G*(D/k->Gv)*k->v_block_bytes);
+    const int32_t * pp = take(&r, (size_t) h[3]*4);
+    const uint16_t * pk = take(&r, (size_t) h[3]*D*2);
+    const uint16_t * pv = take(&r, (size_t) h[3]*D*2);
+    const uint16_t * tk = take(&r, (size_t) h[4]*D*2);
+    const uint16_t * tv = take(&r, (size_t) h[4]*D*2);
+    float * out = malloc((size_t) D*4);
+    k->attn(D, q, h[1], scale, h[2], kq, vq, h[3], pp, pk, pv, h[4], h[5], tk, tv, D, out);
+    return write_all(out_path, out, (size_t) D*4);
+}
+
+static int head_main(int argc, char ** argv) {
+    if (argc != 9) {
+        fprintf(stderr, "usage: %s head BITS G GV ISA seal|attn IN OUT\n", argv[0]);
+        return 2;
+    }
+    int nk = 0;
+    const ott_head_kernel * table = ott_head_kernels(&nk);
+    const ott_head_kernel * k = NULL;
+    for (int i = 0; i < nk; ++i) {
+        if (table[i].bits == atoi(argv[2]) && table[i].G == atoi(argv[3]) && table[i].Gv == atoi(argv[4]) &&
+            strcmp(table[i].isa, argv[5]) == 0) {
+            k = &table[i];
+        }
+    }
+    if (!k) {
+        fprintf(stderr, "no head kernel for %s %s %s %s\n", argv[2], argv[3], argv[4], argv[5]);
+        return 3;
+    }
+    size_t n_in = 0;
+    unsigned char * in = read_all(argv[7], &n_in);
+    if (!in) {
+        return 2;
+    }
+    int ok = 0;
+    if (strcmp(argv[6], "seal") == 0) {
+        ok = head_seal(k, in, n_in, argv[8]);
+    } else if (strcmp(argv[6], "attn") == 0) {
+        ok = head_attn(k, in, n_in, argv[8]);
+    } else {
+        return 2;
+    }
+    return ok ? 0 : 2;
+}
+
 int main(int argc, char ** argv) {
+    if (argc > 1 && strcmp(argv[1], "head") == 0) {
+        return head_main(argc, argv);
+    }
     if (argc != 7) {
         fprintf(stderr, "usage: %s BITS GROUP ISA quantize|dequantize|vec_dot IN OUT\n", argv[0]);
         return 2;
