@@ -14,8 +14,11 @@ from functools import cache
 from pathlib import Path
 
 PKG_DIR = Path(__file__).resolve().parent
-LIB_DIR = PKG_DIR / "lib"
-BIN_DIR = PKG_DIR / "bin"
+# OTT_GGUF_NATIVE_DIR: use the native build installed elsewhere (an installed ott_gguf package directory),
+# e.g. to run the source tree's Python against the venv's build while developing
+NATIVE_DIR = Path(os.environ.get("OTT_GGUF_NATIVE_DIR") or PKG_DIR).resolve()
+LIB_DIR = NATIVE_DIR / "lib"
+BIN_DIR = NATIVE_DIR / "bin"
 _SUFFIX = ".dylib" if sys.platform == "darwin" else ".so"
 
 
@@ -43,7 +46,7 @@ def bin_path(name: str) -> Path:
 
 def build_info() -> dict[str, object]:
     """What the native build was made from (written by CMakeLists.txt)."""
-    return json.loads((PKG_DIR / "ott-build.json").read_text())
+    return json.loads((NATIVE_DIR / "ott-build.json").read_text())
 
 
 @cache

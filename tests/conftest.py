@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 
 import ott_gguf
+from ott_gguf._lib import LIB_DIR
 
-# the tests exercise the installed package (with its native build), never the source tree's copy
-if not (Path(ott_gguf.__file__).parent / "lib").is_dir():
+# the tests exercise the installed package with its native build (or OTT_GGUF_NATIVE_DIR), never a source
+# tree without one
+if not LIB_DIR.is_dir():
     pytest.exit(
         f"ott_gguf imported from {ott_gguf.__file__} has no native build: run the tests with the "
         "venv's pytest after installing (make test)",
