@@ -168,11 +168,15 @@ def render(e: jinja2.Environment, template: str, params: str, **kw: object) -> s
     return header(template, params) + e.get_template(template).render(**kw)
 
 
-def gen_ggml(out: Path, cfg: Config) -> dict[str, str]:
+def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
     e = env()
     p = f"bits={cfg.bits}, group={cfg.group}"
     common = dict(cfg=cfg)
+    hc = HeadConfig(cfg.bits, G, cfg.group)
+    ph = f"bits={hc.bits}, G={hc.G}, Gv={hc.Gv}"
     return {
+        "ott2-head.h": render(e, "llama_head.h.j2", ph, hc=hc),
+        "ott2-head.c": render(e, "llama_head.c.j2", ph, hc=hc),
         "ott2-common.inc": render(e, "ggml_common.inc.j2", p, **common),
         "ott2-quants.h": render(e, "ggml_base.h.j2", p, **common),
         "ott2-quants.c": render(e, "ggml_base.c.j2", p, **common),
@@ -207,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", choices=["ggml", "kernels", "cuda", "flags"])
     ap.add_argument("--out", type=Path, required=False)
     ap.add_argument("--bits", type=int, default=2, help="ggml target: code width (default 2)")
-    ap.add_argument("--group", type=int, default=64, help="ggml target: values per block (default 64)")
+    ap.add_argument("--group", type=int, default=64, help="ggml target: values per block = Gv (default 64)")
+    ap.add_argument("--G", type=int, default=128, help="ggml target: tokens per sealed group (default 128)")
     ap.add_argument("--configs", default="2:32,2:64,2:128,3:64,4:64", help="kernels/cuda: bits:group list")
     ap.add_argument(
         "--heads", default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64", help="kernels: bits:G:Gv per-head configs"
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             ap.error("--out is required")
         if args.target == "ggml":
-            files = gen_ggml(args.out, Config(args.bits, args.group))
+            files = gen_ggml(args.out, Config(args.bits, args.group), args.G)
         elif args.target == "kernels":
             files = gen_kernels(args.out, parse_configs(args.configs), parse_heads(args.heads), args.arch)
         else:

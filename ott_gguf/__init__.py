@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .kv_types import KV_TYPES, OTT_KV_TYPES, resolve_kv_type
+from .kv_types import KV_TYPES, OTT_KV_TYPES, OttConfig, resolve_kv_type
 
 if TYPE_CHECKING:
     from ._lib import NativeLibraryError, build_info, llama_ott_build_info, loaded_library_path
@@ -28,6 +28,7 @@ __all__ = [
     "KV_TYPES",
     "OTT_KV_TYPES",
     "Llama",
+    "OttConfig",
     "NativeLibraryError",
     "__version__",
     "build_info",

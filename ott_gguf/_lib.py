@@ -99,3 +99,51 @@ def ggml_type_ids() -> dict[str, int]:
     if out.get("ott2") != GGML_TYPE_OTT2:
         raise NativeLibraryError(f"the loaded ggml has no ott2 type at id {GGML_TYPE_OTT2}: not ott-gguf's build")
     return out
+
+
+# --- ott2 entry points of the patched libllama (native/include/llama-ott.h) ---------------------------------
+
+
+def _fn(name: str, restype: object, argtypes: list[object]):  # -> ctypes function
+    f = getattr(llama_cpp_module().llama_cpp._lib, name)
+    f.restype = restype
+    f.argtypes = argtypes
+    return f
+
+
+def ott_set_params(G: int, R: int, outlier_num: int, aux_cap: int, no_outlier_layers: int) -> None:
+    """Parameters for the ott2 caches created from now on in this process."""
+    _fn("llama_ott_set_params", None, [ctypes.c_int32] * 5)(G, R, outlier_num, aux_cap, no_outlier_layers)
+
+
+def ott_get_params() -> tuple[int, ...]:
+    out = (ctypes.c_int32 * 5)()
+    _fn("llama_ott_get_params", None, [ctypes.POINTER(ctypes.c_int32)])(out)
+    return tuple(out)
+
+
+def ott_cache_info(ctx: object) -> tuple[int, int] | None:
+    """(positions held, positions sealed) of a context's ott2 cache, or None when it has none."""
+    out = (ctypes.c_int64 * 2)()
+    n = _fn("llama_ott_cache_info", ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32])(
+        ctx, out, 2
+    )
+    return (int(out[0]), int(out[1])) if n == 2 else None
+
+
+def ott_model_problem(model_path: str) -> str:
+    """Why the ott2 cache cannot serve the model at model_path ("" when it can)."""
+    lc = llama_cpp_module().llama_cpp
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = 0  # memory-mapped, on the CPU: checking costs no copy of the weights
+    model = lc.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        raise ValueError(f"could not load the model {model_path}")
+    try:
+        buf = ctypes.create_string_buffer(512)
+        ok = _fn("llama_ott_supports_model", ctypes.c_bool, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t])(
+            model, buf, len(buf)
+        )
+        return "" if ok else buf.value.decode()
+    finally:
+        lc.llama_model_free(model)

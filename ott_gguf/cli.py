@@ -36,13 +36,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import server_command
+    from .server import server_command, server_env
 
     path = _model_path(args.model)
     extra = list(args.passthrough)
     cmd = server_command(path, kv_type=args.kv_type, host=args.host, port=args.port, extra=extra)
     print(f"ott-gguf: serving {path.name} with kv_type={args.kv_type} at http://{args.host}:{args.port}", flush=True)
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, server_env(args.kv_type))
     return 0  # not reached
 
 

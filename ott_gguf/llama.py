@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._lib import ggml_type_ids, llama_cpp_module
-from .kv_types import KV_TYPES, OTT_KV_TYPES, resolve_kv_type
+from . import _lib
+from .kv_types import KV_TYPES, OTT_KV_TYPES, OttConfig, resolve_kv_type
 
-__all__ = ["KV_TYPES", "OTT_KV_TYPES", "Llama", "resolve_kv_type"]
+__all__ = ["KV_TYPES", "OTT_KV_TYPES", "Llama", "OttConfig", "resolve_kv_type"]
 
-_llama_cpp = llama_cpp_module()
+_llama_cpp = _lib.llama_cpp_module()
 
 # types llama.cpp can only store with flash attention (quantized V rows)
 _NEEDS_FLASH_ATTN = frozenset(t for t in KV_TYPES if t not in ("f16", "bf16"))
@@ -24,12 +24,21 @@ _STOCK_PARAMS = frozenset(
 class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
     """A llama_cpp.Llama whose K/V cache type is chosen by name.
 
-    Llama(model_path, kv_type="q8_0", n_ctx=4096, ...) takes every keyword of llama_cpp.Llama except
+    Llama(model_path, kv_type="ott2", n_ctx=8192, ...) takes every keyword of llama_cpp.Llama except
     type_k/type_v (kv_type replaces them); unknown keywords raise TypeError instead of being ignored.
     Quantized cache types need flash attention, which is switched on for them (and by default for all).
+    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers) tunes ott2; kivi2 is ott2
+    without outlier tokens.
     """
 
-    def __init__(self, model_path: str, *, kv_type: str = "f16", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        kv_type: str = "f16",
+        ott_config: OttConfig | dict[str, int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         unknown = sorted(set(kwargs) - _STOCK_PARAMS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -42,8 +51,22 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                 f"kv_type={name!r} stores quantized V rows, which llama.cpp supports only with flash attention; "
                 "leave flash_attn at its default (on)"
             )
-        type_id = ggml_type_ids()[name]
+        if ott_config is not None and name not in OTT_KV_TYPES:
+            raise ValueError(f"ott_config applies to kv_type 'ott2' or 'kivi2', not {name!r}")
         self.kv_type = name
+        self.ott_config: OttConfig | None = None
+        if name in OTT_KV_TYPES:
+            cfg = OttConfig.of(ott_config)
+            if name == "kivi2":
+                cfg = OttConfig(**{**cfg.__dict__, "outlier_num": 0})
+            problem = _lib.ott_model_problem(str(model_path))
+            if problem:
+                raise ValueError(f"kv_type={name!r} cannot be used with {model_path}: {problem}")
+            _lib.ott_set_params(cfg.G, cfg.R, cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers)
+            self.ott_config = cfg
+            type_id = _lib.GGML_TYPE_OTT2
+        else:
+            type_id = _lib.ggml_type_ids()[name]
         super().__init__(
             model_path=model_path,
             type_k=type_id,
@@ -51,6 +74,26 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             flash_attn=True if flash_attn is None else bool(flash_attn),
             **kwargs,
         )
+        if name in OTT_KV_TYPES and _lib.ott_cache_info(self._ctx.ctx) is None:
+            raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott2 cache")
+
+    def kv_cache_info(self) -> dict[str, object]:
+        """The K/V cache type and, for ott2/kivi2, how many positions are held and how many are sealed."""
+        info: dict[str, object] = {"kv_type": self.kv_type}
+        if self.ott_config is not None:
+            held, sealed = _lib.ott_cache_info(self._ctx.ctx) or (0, 0)
+            info.update(positions=held, sealed=sealed, config=self.ott_config)
+        return info
+
+    def save_state(self) -> Any:
+        if self.kv_type in OTT_KV_TYPES:
+            raise NotImplementedError(f"saving the state of a {self.kv_type} cache is not implemented yet")
+        return super().save_state()
+
+    def load_state(self, state: Any) -> None:
+        if self.kv_type in OTT_KV_TYPES:
+            raise NotImplementedError(f"loading a state into a {self.kv_type} cache is not implemented yet")
+        super().load_state(state)
 
     def close(self) -> None:
         # __init__ may have refused the arguments before the stock class set anything up
@@ -62,6 +105,8 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         state.pop("type_k", None)
         state.pop("type_v", None)
         state["kv_type"] = self.kv_type
+        if self.ott_config is not None:
+            state["ott_config"] = self.ott_config
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

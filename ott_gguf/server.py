@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._lib import bin_path
-from .kv_types import resolve_kv_type
+from .kv_types import OTT_KV_TYPES, OttConfig, resolve_kv_type
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,36 +32,43 @@ def server_command(
 ) -> list[str]:
     """The llama-server command line: kv_type maps to -ctk/-ctv (and flash attention on)."""
     name = resolve_kv_type(kv_type)
+    ctype = "ott2" if name in OTT_KV_TYPES else name
     if not Path(model).exists():
         raise FileNotFoundError(f"model file not found: {model}")
     for flag in ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"):
         if flag in extra:
             raise ValueError(f"{flag} is set by --kv-type; do not pass it too")
-    return [
-        str(bin_path("llama-server")),
-        "-m",
-        str(model),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "-ctk",
-        name,
-        "-ctv",
-        name,
-        "-fa",
-        "on",
-        *extra,
-    ]
+    cmd = [str(bin_path("llama-server")), "-m", str(model), "--host", host, "--port", str(port),
+           "-ctk", ctype, "-ctv", ctype, "-fa", "on"]  # fmt: skip
+    if name in OTT_KV_TYPES and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):
+        # ott2 keeps one stream per sequence: tell the server, so each slot's context is n_ctx / n_slots
+        # (llama-server forces a unified cache when the slot count is left on auto, so name it: 4, its auto value)
+        cmd.append("--no-kv-unified")
+        if not {"-np", "--parallel"} & set(extra):
+            cmd += ["-np", "4"]
+    return cmd + list(extra)
+
+
+def server_env(kv_type: str, ott_config: OttConfig | None = None) -> dict[str, str]:
+    """Environment for llama-server: the ott2 parameters travel in OTT_GGUF_PARAMS (kivi2: no outliers)."""
+    env = os.environ.copy()
+    name = resolve_kv_type(kv_type)
+    if name in OTT_KV_TYPES:
+        c = ott_config or OttConfig()
+        outliers = 0 if name == "kivi2" else c.outlier_num
+        env["OTT_GGUF_PARAMS"] = f"{c.G},{c.R},{outliers},{c.aux_cap},{c.no_outlier_layers}"
+    return env
 
 
 class Server:
     """A running llama-server child process; a context manager that stops it."""
 
-    def __init__(self, cmd: list[str], host: str, port: int, log: Path | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], host: str, port: int, log: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.cmd, self.host, self.port = cmd, host, port
         self._log = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
 
     @property
     def url(self) -> str:
@@ -118,4 +125,5 @@ def start(
 ) -> Server:
     """Start llama-server on host:port (a free port when None) and return without waiting for health."""
     port = free_port(host) if port is None else port
-    return Server(server_command(model, kv_type=kv_type, host=host, port=port, extra=extra), host, port, log)
+    cmd = server_command(model, kv_type=kv_type, host=host, port=port, extra=extra)
+    return Server(cmd, host, port, log, env=server_env(kv_type))

@@ -157,3 +157,29 @@ def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, n
         k[t] *= 0.01
     v = rng.standard_normal((n, D)).astype(np.float32)
     return k, v
+
+
+# --- quality of a K/V cache type against f16 on real text ----------------------------------------------------
+
+
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64."""
+    a = np.asarray(ref_logits, np.float64)
+    b = np.asarray(logits, np.float64)
+    la = a - a.max(axis=1, keepdims=True)
+    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
+    lb = b - b.max(axis=1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
+    return (np.exp(la) * (la - lb)).sum(axis=1)
+
+
+def eval_logits(model: Path, kv_type: str, tokens: list[int], n_ctx: int = 2048, **kw: object) -> np.ndarray:
+    """Logits of every position of `tokens` evaluated in ubatches of 512 with the given cache type."""
+    from ott_gguf import Llama
+
+    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=True,
+                verbose=False, **kw)  # fmt: skip
+    llm.eval(tokens)
+    out = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    llm.close()
+    return out

@@ -60,12 +60,6 @@ def test_unknown_kv_type_lists_valid_choices(smollm2: Path) -> None:
         assert name in str(e.value)
 
 
-def test_ott2_is_an_explicit_error_until_the_cache_exists(smollm2: Path) -> None:
-    for name in ("ott2", "kivi2"):
-        with pytest.raises(NotImplementedError, match="not in this build yet"):
-            Llama(str(smollm2), kv_type=name)
-
-
 def test_unknown_keyword_is_not_ignored(smollm2: Path) -> None:
     with pytest.raises(TypeError, match="kv_typ"):
         Llama(str(smollm2), kv_typ="q8_0")

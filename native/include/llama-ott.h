@@ -11,6 +11,18 @@ extern "C" {
 // patched build, so a caller can tell that it loaded ott-gguf's libllama and not a stock one.
 LLAMA_API const char * llama_ott_build_info(void);
 
+// Parameters of the ott2 caches created from now on in this process (spec/ott2-algorithm.md):
+// G (tokens per group; must equal the build's, 128), R (fp16 recent window), outlier_num (0 = kivi2),
+// aux_cap, no_outlier_layers. Contexts created earlier keep theirs.
+LLAMA_API void llama_ott_set_params(int32_t G, int32_t R, int32_t outlier_num, int32_t aux_cap, int32_t no_outlier_layers);
+// out[5]: the same five values
+LLAMA_API void llama_ott_get_params(int32_t * out);
+// Whether the ott2 cache can serve this model; when not, reason (if given) receives why, naming the architecture.
+LLAMA_API bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n);
+// What the context's ott2 cache holds: out[0] positions held, out[1] positions sealed (all sequences).
+// Returns how many values were written (0 when the context does not use the ott2 cache).
+LLAMA_API int32_t llama_ott_cache_info(const struct llama_context * ctx, int64_t * out, int32_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,783 @@
+// The ott2 KV cache: see llama-kv-cache-ott.h and docs/design-ott2-cache.md.
+#include "llama-kv-cache-ott.h"
+
+#include "llama-arch.h"
+#include "llama-cparams.h"
+#include "llama-hparams.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+#include "llama-ott.h"
+#include "ott2-head.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+// OTT_GGUF_PARAMS="G,R,outlier_num,aux_cap,no_outlier_layers" sets the defaults of a process (llama-server)
+static llama_ott_params ott_params_from_env() {
+    llama_ott_params p;
+    const char * env = getenv("OTT_GGUF_PARAMS");
+    if (env) {
+        unsigned v[5];
+        if (sscanf(env, "%u,%u,%u,%u,%u", &v[0], &v[1], &v[2], &v[3], &v[4]) == 5) {
+            p = { v[0], v[1], v[2], v[3], v[4] };
+        } else {
+            LLAMA_LOG_ERROR("%s: ignoring OTT_GGUF_PARAMS='%s' (expected G,R,outlier_num,aux_cap,no_outlier_layers)\n",
+                            __func__, env);
+        }
+    }
+    return p;
+}
+
+llama_ott_params & llama_ott_default_params() {
+    static llama_ott_params p = ott_params_from_env();
+    return p;
+}
+
+bool llama_ott_selected(ggml_type type_k, ggml_type type_v) {
+    return type_k == GGML_TYPE_OTT2 || type_v == GGML_TYPE_OTT2;
+}
+
+// userdata of the two graph ops of one layer; lives as long as the cache
+struct ott_op_params {
+    uint32_t D, H, n_head, G, Gv, T, S, NG, n_stream;
+    int32_t  outlier_num, aux_cap;
+    float    scale;
+};
+
+struct ott_layer {
+    int32_t il;
+    ggml_tensor * ring      = nullptr; // F16 [D, H, T, 2*n_stream]: (K, V) of stream s at 2s, 2s+1; slot = pos % T
+    ggml_tensor * sealed_k  = nullptr; // I8  [D*KB, NG, H, n_stream]: group g = D blocks, channel c over G tokens
+    ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
+    ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
+    ggml_tensor * pool_meta = nullptr; // I32 [2S + 3, H, n_stream]: S x (pos, score), n_pool, n_aux, tracing
+    ott_op_params op;
+};
+
+struct ott_stream {
+    int32_t n_pos    = 0; // positions [0, n_pos) held
+    int32_t n_sealed = 0; // groups [0, n_sealed) sealed
+};
+
+class llama_kv_cache_ott : public llama_memory_i {
+public:
+    llama_kv_cache_ott(const llama_model & model, const llama_hparams & hparams, const llama_cparams & cparams,
+                       const llama_ott_params & p);
+    ~llama_kv_cache_ott() override;
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+    bool get_can_shift() const override { return false; }
+
+    void clear(bool data) override;
+    bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id) override;
+    void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) override;
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    // used by the context and the graph
+    int32_t sealed_after(int32_t n_sealed, int32_t n_pos) const {
+        // group g is sealed once n_pos - (g+1)G >= R
+        const int32_t n = n_pos >= (int32_t) p.R ? (n_pos - (int32_t) p.R) / (int32_t) p.G : 0;
+        return std::max(n_sealed, n);
+    }
+    void commit(const std::vector<llama_ott_stream_plan> & plan, uint32_t n_tok);
+    ott_layer * layer(int32_t il) { return il < (int32_t) layer_ids.size() && layer_ids[il] >= 0 ? &layers[layer_ids[il]] : nullptr; }
+
+    const llama_ott_params p;
+    const uint32_t n_stream;
+    const uint32_t n_ctx_seq;
+    std::vector<ott_stream> streams;
+
+private:
+    void reset_stream_meta(uint32_t s);
+    void unseal(uint32_t s, llama_pos p0);
+
+    std::vector<ott_layer> layers;
+    std::vector<int32_t> layer_ids;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    size_t bytes_quant = 0, bytes_tail = 0, bytes_pool = 0;
+};
+
+// ------------------------------------------------------------------------------------------- construction
+
+llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hparams & hparams,
+                                       const llama_cparams & cparams, const llama_ott_params & p) :
+    p(p), n_stream(cparams.n_seq_max),
+    // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
+    n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
+    const uint32_t n_layer = hparams.n_layer();
+    const uint32_t G = p.G, Gv = OTT2_HEAD_GV, T = p.R + p.G;
+    const uint32_t S = std::max<uint32_t>(1, p.outlier_num + p.aux_cap);
+    const uint32_t NG = (n_ctx_seq + G - 1) / G;
+
+    ggml_init_params ip = {
+        /*.mem_size   =*/ size_t(5u*n_layer + 1)*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ctx = ggml_init(ip);
+    if (!ctx) {
+        throw std::runtime_error("ott2: failed to create the ggml context");
+    }
+    layer_ids.assign(n_layer, -1);
+    for (uint32_t il = 0; il < n_layer; ++il) {
+        const uint32_t D = hparams.n_embd_head_k(il);
+        const uint32_t H = hparams.n_head_kv(il);
+        ott_layer L;
+        L.il = il;
+        L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*OTT2_HEAD_KB, NG, H, n_stream);
+        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*OTT2_HEAD_VB, NG, H, n_stream);
+        L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
+        L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 2*S + 3, H, n_stream);
+        ggml_format_name(L.ring, "ott_ring_l%d", il);
+        ggml_format_name(L.sealed_k, "ott_sealed_k_l%d", il);
+        ggml_format_name(L.sealed_v, "ott_sealed_v_l%d", il);
+        ggml_format_name(L.pool_kv, "ott_pool_kv_l%d", il);
+        ggml_format_name(L.pool_meta, "ott_pool_meta_l%d", il);
+        L.op = { D, H, hparams.n_head(il), G, Gv, T, S, NG, n_stream,
+                 (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num), (int32_t) p.aux_cap, 1.0f };
+        bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
+        bytes_tail  += ggml_nbytes(L.ring);
+        bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta);
+        layer_ids[il] = (int32_t) layers.size();
+        layers.push_back(L);
+    }
+    // host memory: the ops are CPU ops for now (the CUDA versions come from the same templates)
+    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    if (!buf) {
+        throw std::runtime_error("ott2: failed to allocate the cache buffer");
+    }
+    ggml_backend_buffer_clear(buf, 0);
+    streams.assign(n_stream, {});
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        reset_stream_meta(s);
+    }
+    GGML_UNUSED(model);
+    LLAMA_LOG_INFO("%s: ott2 cache: %u seqs x %u ctx, G=%u R=%u Gv=%u outliers=%u aux=%u (first %u layers none), "
+                   "kernels %s\n", __func__, n_stream, n_ctx_seq, G, p.R, Gv, p.outlier_num, p.aux_cap,
+                   p.no_outlier_layers, ott2_head_isa());
+    LLAMA_LOG_INFO("%s: ott2 cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
+                   __func__, ggml_backend_buffer_get_size(buf)/1048576.0, bytes_quant/1048576.0,
+                   bytes_tail/1048576.0, bytes_pool/1048576.0);
+}
+
+llama_kv_cache_ott::~llama_kv_cache_ott() {
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {
+    for (auto & L : layers) {
+        for (uint32_t h = 0; h < L.op.H; ++h) {
+            int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
+            memset(meta, 0, L.pool_meta->ne[0]*sizeof(int32_t));
+            meta[2*L.op.S + 2] = 1; // tracing on
+        }
+    }
+    streams[s] = {};
+}
+
+// why the ott2 cache cannot serve this model ("" when it can)
+static std::string ott_model_problem(const llama_model & model, const llama_hparams & hparams) {
+    const std::string arch = llm_arch_name(model.arch);
+    if (llm_arch_is_recurrent(model.arch) || llm_arch_is_hybrid(model.arch)) {
+        return "the " + arch + " architecture keeps a recurrent state; the ott2 cache supports attention-only models";
+    }
+    if (hparams.is_mla()) {
+        return "the " + arch + " architecture uses MLA (compressed latent K/V), which the ott2 cache does not support";
+    }
+    if (hparams.is_swa_any()) {
+        return "the " + arch + " architecture has sliding-window attention layers, which the ott2 cache does not "
+               "support yet";
+    }
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        const uint32_t D = hparams.n_embd_head_k(il);
+        if (D != hparams.n_embd_head_v(il) || D % OTT2_HEAD_GV != 0 || D % 16 != 0 || D > 512) {
+            return "head dim " + std::to_string(D) + " of " + arch + " is not supported (K and V dims must be equal, a "
+                   "multiple of " + std::to_string(OTT2_HEAD_GV) + " and at most 512)";
+        }
+    }
+    return "";
+}
+
+bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n) {
+    const std::string why = ott_model_problem(*model, model->hparams);
+    if (reason && n > 0) {
+        snprintf(reason, n, "%s", why.c_str());
+    }
+    return why.empty();
+}
+
+llama_memory_i * llama_kv_cache_ott_create(const llama_model & model, const llama_hparams & hparams,
+                                           const llama_cparams & cparams, ggml_type type_k, ggml_type type_v) {
+    if (type_k != type_v) {
+        throw std::runtime_error("ott2: set both the K and the V cache type to ott2 (got " +
+                                 std::string(ggml_type_name(type_k)) + " / " + ggml_type_name(type_v) + ")");
+    }
+    const std::string why = ott_model_problem(model, hparams);
+    if (!why.empty()) {
+        throw std::runtime_error("ott2: " + why);
+    }
+    const llama_ott_params & p = llama_ott_default_params();
+    if (p.G != OTT2_HEAD_G) {
+        throw std::runtime_error("ott2: G=" + std::to_string(p.G) + " but this build's kernels are for G=" +
+                                 std::to_string(OTT2_HEAD_G));
+    }
+    if (p.outlier_num >= p.G || p.outlier_num > 64) {
+        throw std::runtime_error("ott2: outlier_num must be below min(G, 65)");
+    }
+    if (cparams.kv_unified && cparams.n_seq_max > 1) {
+        LLAMA_LOG_INFO("%s: ott2 keeps one stream per sequence: the unified KV cache is not used\n", __func__);
+    }
+    return new llama_kv_cache_ott(model, hparams, cparams, p);
+}
+
+// ------------------------------------------------------------------------------------------------ batches
+
+llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+    balloc.split_reset();
+    std::vector<llama_ubatch> ubatches;
+    std::vector<std::vector<llama_ott_stream_plan>> plans;
+    std::vector<ott_stream> sim = streams;
+    while (true) {
+        llama_ubatch ub = n_stream == 1 ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, true, 0);
+        if (ub.n_tokens == 0) {
+            break;
+        }
+        // the ubatch is runs of tokens of one sequence each, all runs of equal length
+        std::vector<llama_ott_stream_plan> plan;
+        uint32_t run = 0;
+        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+            if (ub.n_seq_id[i] != 1) {
+                LLAMA_LOG_ERROR("%s: ott2: a token shared by several sequences is not supported\n", __func__);
+                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+            const llama_seq_id s = ub.seq_id[i][0];
+            if (s < 0 || (uint32_t) s >= n_stream) {
+                LLAMA_LOG_ERROR("%s: ott2: seq_id %d out of range [0, %u)\n", __func__, s, n_stream);
+                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+            if (plan.empty() || plan.back().stream != s) {
+                plan.push_back({ s, sim[s].n_pos, sim[s].n_sealed, 0 });
+                run = 0;
+            }
+            if (ub.pos[i] != sim[s].n_pos + (llama_pos) run) {
+                LLAMA_LOG_ERROR("%s: ott2: sequence %d continues at position %d, got %d (positions must be consecutive; "
+                                "remove the tail with seq_rm first)\n", __func__, s, sim[s].n_pos + run, ub.pos[i]);
+                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+            run++;
+            if (i + 1 == ub.n_tokens || ub.seq_id[i + 1][0] != s) {
+                if ((uint32_t) sim[s].n_pos + run > n_ctx_seq) {
+                    LLAMA_LOG_ERROR("%s: ott2: sequence %d would exceed its context of %u tokens\n", __func__, s, n_ctx_seq);
+                    return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                }
+                sim[s].n_pos += run;
+                sim[s].n_sealed = sealed_after(sim[s].n_sealed, sim[s].n_pos);
+                plan.back().n_sealed_after = sim[s].n_sealed;
+            }
+        }
+        if (ub.n_tokens % plan.size() != 0) {
+            LLAMA_LOG_ERROR("%s: ott2: unequal sequence runs in a ubatch\n", __func__);
+            return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        for (const auto & pl : plan) {
+            if (std::count_if(plan.begin(), plan.end(), [&](const auto & x) { return x.stream == pl.stream; }) != 1) {
+                LLAMA_LOG_ERROR("%s: ott2: a sequence appears twice in one ubatch\n", __func__);
+                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+        }
+        ubatches.push_back(std::move(ub)); // NOLINT
+        plans.push_back(std::move(plan));
+    }
+    if (balloc.get_n_used() < balloc.get_n_tokens()) {
+        return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+    return std::make_unique<llama_kv_cache_ott_context>(this, std::move(ubatches), std::move(plans));
+}
+
+llama_memory_context_ptr llama_kv_cache_ott::init_full() {
+    return std::make_unique<llama_kv_cache_ott_context>(this);
+}
+
+llama_memory_context_ptr llama_kv_cache_ott::init_update(llama_context * lctx, bool optimize) {
+    GGML_UNUSED(lctx);
+    GGML_UNUSED(optimize);
+    return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_NO_UPDATE);
+}
+
+void llama_kv_cache_ott::commit(const std::vector<llama_ott_stream_plan> & plan, uint32_t n_tok) {
+    for (const auto & pl : plan) {
+        streams[pl.stream].n_pos    = pl.n_pos + (int32_t) n_tok;
+        streams[pl.stream].n_sealed = pl.n_sealed_after;
+    }
+}
+
+// ------------------------------------------------------------------------------------------ sequence ops
+
+void llama_kv_cache_ott::clear(bool data) {
+    if (data) {
+        ggml_backend_buffer_clear(buf, 0);
+    }
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        reset_stream_meta(s);
+    }
+}
+
+bool llama_kv_cache_ott::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (p0 < 0) {
+        p0 = 0;
+    }
+    const bool to_end = p1 < 0;
+    std::vector<uint32_t> targets;
+    if (seq_id < 0) {
+        for (uint32_t s = 0; s < n_stream; ++s) {
+            targets.push_back(s);
+        }
+    } else if ((uint32_t) seq_id < n_stream) {
+        targets.push_back(seq_id);
+    } else {
+        return true; // nothing stored for it
+    }
+    for (uint32_t s : targets) {
+        ott_stream & st = streams[s];
+        if (p0 >= st.n_pos) {
+            continue; // nothing at or after p0
+        }
+        if (!to_end && p1 < st.n_pos) {
+            return false; // a hole in the middle of a sequence: positions must stay consecutive
+        }
+        if (p0 == 0) {
+            reset_stream_meta(s);
+            continue;
+        }
+        if (p0 >= st.n_sealed*(int32_t) p.G) {
+            st.n_pos = p0; // inside the fp16 tail: the ring slots past p0 are simply unused
+            continue;
+        }
+        unseal(s, p0);
+    }
+    return true;
+}
+
+// Truncate stream s to [0, p0) with p0 inside sealed group g = p0 / G (as ott_gguf.reference.truncate does):
+// groups below g stay sealed; the tokens [gG, p0) come back into the fp16 ring as they were served (pooled ones
+// exact); pool and aux entries at or after gG are dropped; later groups are forgotten.
+void llama_kv_cache_ott::unseal(uint32_t s, llama_pos p0) {
+    const int32_t G = (int32_t) p.G;
+    const int32_t g = p0 / G, lo = g*G, n_keep = p0 - lo;
+    for (auto & L : layers) {
+        const uint32_t D = L.op.D, S = L.op.S, O = (uint32_t) L.op.outlier_num;
+        std::vector<uint16_t> k((size_t) G*D), v((size_t) G*D);
+        for (uint32_t h = 0; h < L.op.H; ++h) {
+            const char * skb = (const char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*L.sealed_k->nb[1];
+            const char * svb = (const char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3] + g*L.sealed_v->nb[1];
+            ott2_head_unseal((int) D, skb, svb, n_keep, k.data(), v.data());
+            int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
+            ott_slot_meta * slots = (ott_slot_meta *) meta;
+            uint16_t * pool = (uint16_t *) ((char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3]);
+            // the pools: entries inside [lo, p0) cover their placeholders, entries from lo on are dropped
+            const int32_t counts[2] = { meta[2*S], meta[2*S + 1] };
+            const uint32_t base[2] = { 0, O };
+            for (int which = 0; which < 2; ++which) {
+                int32_t kept = 0;
+                for (int32_t i = 0; i < counts[which]; ++i) {
+                    const uint32_t slot = base[which] + (uint32_t) i;
+                    const int32_t pos = slots[slot].pos;
+                    if (pos >= lo && pos < p0) {
+                        memcpy(&k[(size_t) (pos - lo)*D], pool + (size_t) slot*D, D*sizeof(uint16_t));
+                        memcpy(&v[(size_t) (pos - lo)*D], pool + (size_t) (S + slot)*D, D*sizeof(uint16_t));
+                    }
+                    if (pos >= lo) {
+                        continue;
+                    }
+                    const uint32_t dst = base[which] + (uint32_t) kept++;
+                    if (dst != slot) {
+                        slots[dst] = slots[slot];
+                        memcpy(pool + (size_t) dst*D, pool + (size_t) slot*D, D*sizeof(uint16_t));
+                        memcpy(pool + (size_t) (S + dst)*D, pool + (size_t) (S + slot)*D, D*sizeof(uint16_t));
+                    }
+                }
+                meta[2*S + which] = kept;
+            }
+            for (int32_t t = 0; t < n_keep; ++t) {
+                const int32_t pos = lo + t;
+                char * rk = (char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] + (2*s + 0)*L.ring->nb[3];
+                char * rv = (char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] + (2*s + 1)*L.ring->nb[3];
+                memcpy(rk, &k[(size_t) t*D], D*sizeof(uint16_t));
+                memcpy(rv, &v[(size_t) t*D], D*sizeof(uint16_t));
+            }
+        }
+    }
+    streams[s].n_sealed = g;
+    streams[s].n_pos = p0;
+}
+
+void llama_kv_cache_ott::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    GGML_UNUSED(p0);
+    GGML_UNUSED(p1);
+    if (seq_id_src == seq_id_dst || seq_id_src < 0 || seq_id_dst < 0 ||
+        (uint32_t) seq_id_src >= n_stream || (uint32_t) seq_id_dst >= n_stream) {
+        return;
+    }
+    // copy every per-stream slice of every tensor (the stream is the outermost dimension of each)
+    for (auto & L : layers) {
+        for (ggml_tensor * t : { L.sealed_k, L.sealed_v, L.pool_meta }) {
+            const size_t sz = t->nb[ggml_n_dims(t) - 1 >= 3 ? 3 : 2];
+            memcpy((char *) t->data + seq_id_dst*sz, (char *) t->data + seq_id_src*sz, sz);
+        }
+        const size_t ring_sz = 2*L.ring->nb[3];
+        memcpy((char *) L.ring->data + seq_id_dst*ring_sz, (char *) L.ring->data + seq_id_src*ring_sz, ring_sz);
+        const size_t pool_sz = L.op.H*L.pool_kv->nb[3];
+        memcpy((char *) L.pool_kv->data + seq_id_dst*pool_sz, (char *) L.pool_kv->data + seq_id_src*pool_sz, pool_sz);
+    }
+    streams[seq_id_dst] = streams[seq_id_src];
+}
+
+void llama_kv_cache_ott::seq_keep(llama_seq_id seq_id) {
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        if ((llama_seq_id) s != seq_id) {
+            reset_stream_meta(s);
+        }
+    }
+}
+
+void llama_kv_cache_ott::seq_add(llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    GGML_UNUSED(seq_id);
+    GGML_UNUSED(p0);
+    GGML_UNUSED(p1);
+    if (shift != 0) {
+        LLAMA_LOG_ERROR("%s: ott2: shifting positions (context shift) is not supported; nothing was changed\n", __func__);
+    }
+}
+
+void llama_kv_cache_ott::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    GGML_UNUSED(seq_id);
+    GGML_UNUSED(p0);
+    GGML_UNUSED(p1);
+    if (d != 1) {
+        LLAMA_LOG_ERROR("%s: ott2: dividing positions is not supported; nothing was changed\n", __func__);
+    }
+}
+
+llama_pos llama_kv_cache_ott::seq_pos_min(llama_seq_id seq_id) const {
+    if (seq_id < 0 || (uint32_t) seq_id >= n_stream || streams[seq_id].n_pos == 0) {
+        return -1;
+    }
+    return 0;
+}
+
+llama_pos llama_kv_cache_ott::seq_pos_max(llama_seq_id seq_id) const {
+    if (seq_id < 0 || (uint32_t) seq_id >= n_stream) {
+        return -1;
+    }
+    return streams[seq_id].n_pos - 1;
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_ott::memory_breakdown() const {
+    return { { ggml_backend_buffer_get_type(buf), ggml_backend_buffer_get_size(buf) } };
+}
+
+void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    GGML_UNUSED(io);
+    GGML_UNUSED(seq_id);
+    GGML_UNUSED(flags);
+    throw std::runtime_error("ott2: saving the state of an ott2 cache is not implemented yet");
+}
+
+void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    GGML_UNUSED(io);
+    GGML_UNUSED(seq_id);
+    GGML_UNUSED(flags);
+    throw std::runtime_error("ott2: loading a state into an ott2 cache is not implemented yet");
+}
+
+// ---------------------------------------------------------------------------------------------- context
+
+llama_kv_cache_ott_context::llama_kv_cache_ott_context(llama_memory_status status) : status(status) {}
+
+llama_kv_cache_ott_context::llama_kv_cache_ott_context(llama_kv_cache_ott * kv, std::vector<llama_ubatch> ubatches,
+        std::vector<std::vector<llama_ott_stream_plan>> plans) :
+    status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv), ubatches(std::move(ubatches)), plans(std::move(plans)) {}
+
+llama_kv_cache_ott_context::llama_kv_cache_ott_context(llama_kv_cache_ott * kv) :
+    status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv), is_full(true) {}
+
+bool llama_kv_cache_ott_context::next() {
+    return ++i_cur < ubatches.size();
+}
+
+bool llama_kv_cache_ott_context::apply() {
+    if (is_full || ubatches.empty()) {
+        return true;
+    }
+    const llama_ubatch & ub = ubatches[i_cur];
+    kv->commit(plans[i_cur], ub.n_tokens / (uint32_t) plans[i_cur].size());
+    return true;
+}
+
+const llama_ubatch & llama_kv_cache_ott_context::get_ubatch() const {
+    GGML_ASSERT(i_cur < ubatches.size());
+    return ubatches[i_cur];
+}
+
+llama_memory_status llama_kv_cache_ott_context::get_status() const {
+    return status;
+}
+
+const std::vector<llama_ott_stream_plan> & llama_kv_cache_ott_context::get_plan() const {
+    static const std::vector<llama_ott_stream_plan> none;
+    return is_full || i_cur >= plans.size() ? none : plans[i_cur];
+}
+
+// ------------------------------------------------------------------------------------------- graph input
+
+llm_graph_input_attn_kv_ott::llm_graph_input_attn_kv_ott(const llama_hparams & hparams, const llama_cparams & cparams,
+        const llama_kv_cache_ott_context * mctx_ott) :
+    llm_graph_input_attn_kv(hparams, cparams, nullptr), mctx_ott(mctx_ott) {}
+
+void llm_graph_input_attn_kv_ott::set_input(const llama_ubatch * ubatch) {
+    GGML_UNUSED(ubatch);
+    GGML_ASSERT(ub_plan && ggml_backend_buffer_is_host(ub_plan->buffer));
+    const auto & plan = mctx_ott->get_plan();
+    GGML_ASSERT((int64_t) plan.size() == ub_plan->ne[1]);
+    int32_t * d = (int32_t *) ub_plan->data;
+    for (size_t i = 0; i < plan.size(); ++i) {
+        d[4*i + 0] = plan[i].stream;
+        d[4*i + 1] = plan[i].n_pos;
+        d[4*i + 2] = plan[i].n_sealed;
+        d[4*i + 3] = plan[i].n_sealed_after;
+    }
+}
+
+bool llm_graph_input_attn_kv_ott::can_reuse(const llm_graph_params & params) {
+    GGML_UNUSED(params);
+    return false; // the ops read the plan through this input only; rebuilding is cheap next to attention
+}
+
+std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ctx0, const llama_ubatch & ubatch,
+        const llama_hparams & hparams, const llama_cparams & cparams, const llama_kv_cache_ott_context * mctx) {
+    auto inp = std::make_unique<llm_graph_input_attn_kv_ott>(hparams, cparams, mctx);
+    int64_t ns = (int64_t) mctx->get_plan().size();
+    if (ns == 0) {
+        ns = std::max<int64_t>(1, ubatch.n_seqs_unq); // graph reservation
+    }
+    inp->ub_plan = ggml_new_tensor_2d(ctx0, GGML_TYPE_I32, 4, ns);
+    ggml_set_input(inp->ub_plan);
+    return inp;
+}
+
+// ------------------------------------------------------------------------------------------------- ops
+
+namespace {
+
+struct ott_views {
+    const ott_op_params & p;
+    const ggml_tensor * kc, * vc, * ring, * sk, * sv, * pkv, * pmeta, * plan;
+    int64_t ns, n_tok;
+
+    const int32_t * plan_of(int64_t si) const { return (const int32_t *) plan->data + 4*si; }
+    int32_t * meta(int32_t s, uint32_t h) const {
+        return (int32_t *) ((char *) pmeta->data + h*pmeta->nb[1] + s*pmeta->nb[2]);
+    }
+    uint16_t * pool(int32_t s, uint32_t h) const { return (uint16_t *) ((char *) pkv->data + (h + p.H*s)*pkv->nb[3]); }
+    uint16_t * ring_row(int32_t s, uint32_t h, int32_t pos, int kv) const {
+        return (uint16_t *) ((char *) ring->data + h*ring->nb[1] + (pos % p.T)*ring->nb[2] + (2*s + kv)*ring->nb[3]);
+    }
+    const float * cur_row(const ggml_tensor * t, uint32_t h, int64_t tok) const {
+        return (const float *) ((const char *) t->data + h*t->nb[1] + tok*t->nb[2]);
+    }
+    char * sealed(const ggml_tensor * t, int32_t s, uint32_t h) const {
+        return (char *) t->data + h*t->nb[2] + s*t->nb[3];
+    }
+};
+
+ott_views views_of(const ggml_tensor * dst, const ott_op_params & p) {
+    ott_views v{ p, dst->src[1], dst->src[2], dst->src[3], dst->src[4], dst->src[5], dst->src[6], dst->src[7],
+                 dst->src[8], 0, 0 };
+    v.ns = v.plan->ne[1];
+    v.n_tok = v.kc->ne[2] / v.ns;
+    return v;
+}
+
+// attention of every (stream, q head, token) row: sealed groups as codes, pools exact, ring + ubatch fp16 tail
+void ott_attn_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ott_op_params & p = *(const ott_op_params *) userdata;
+    const ott_views v = views_of(dst, p);
+    const ggml_tensor * q = dst->src[0];
+    const uint32_t D = p.D, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
+    std::vector<int32_t> ppos;
+    std::vector<uint16_t> pk, pv, tk, tv;
+    for (int64_t u = ith; u < v.ns*p.H; u += nth) {
+        const int64_t si = u / p.H;
+        const uint32_t h = (uint32_t) (u % p.H);
+        const int32_t * pl = v.plan_of(si);
+        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
+        // pooled tokens: the outlier pool [0, n_pool) and the aux pool [O, O + n_aux) of (s, h)
+        const int32_t * meta = v.meta(s, h);
+        const ott_slot_meta * slots = (const ott_slot_meta *) meta;
+        const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
+        const uint16_t * pool = v.pool(s, h);
+        ppos.clear(); pk.clear(); pv.clear();
+        for (int32_t i = 0; i < n_pool + n_aux; ++i) {
+            const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
+            ppos.push_back(slots[slot].pos);
+            pk.insert(pk.end(), pool + (size_t) slot*D, pool + (size_t) (slot + 1)*D);
+            pv.insert(pv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
+        }
+        // the fp16 tail: ring positions [n_sealed*G, n_pos), then this ubatch's tokens (rounded to fp16 as cached)
+        const int32_t lo = n_sealed*(int32_t) p.G;
+        const int64_t n_tail = (n_pos - lo) + v.n_tok;
+        tk.resize(n_tail*D); tv.resize(n_tail*D);
+        for (int32_t pos = lo; pos < n_pos; ++pos) {
+            memcpy(&tk[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
+            memcpy(&tv[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
+        }
+        for (int64_t t = 0; t < v.n_tok; ++t) {
+            ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) &tk[(size_t) (n_pos - lo + t)*D], D);
+            ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) &tv[(size_t) (n_pos - lo + t)*D], D);
+        }
+        const char * skb = v.sealed(v.sk, s, h);
+        const char * svb = v.sealed(v.sv, s, h);
+        for (uint32_t hq = h*gq; hq < (h + 1)*gq; ++hq) {
+            for (int64_t t = 0; t < v.n_tok; ++t) {
+                const int64_t tok = si*v.n_tok + t;
+                const float * qr = (const float *) ((const char *) q->data + hq*q->nb[1] + tok*q->nb[2]);
+                float * out = (float *) ((char *) dst->data + hq*dst->nb[1] + tok*dst->nb[2]);
+                ott2_head_attn((int) D, qr, n_pos + (int32_t) t, p.scale, n_sealed, skb, svb, (int) ppos.size(),
+                               ppos.data(), pk.data(), pv.data(), (int) n_tail, lo, tk.data(), tv.data(), (int) D, out);
+            }
+        }
+    }
+}
+
+// after the layer's attention: seal the groups the ubatch made eligible, then keep its unsealed tokens in the ring
+void ott_seal_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ott_op_params & p = *(const ott_op_params *) userdata;
+    const ott_views v = views_of(dst, p);
+    const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
+    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
+    std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
+    for (int64_t u = ith; u < v.ns*p.H; u += nth) {
+        const int64_t si = u / p.H;
+        const uint32_t h = (uint32_t) (u % p.H);
+        const int32_t * pl = v.plan_of(si);
+        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2], n_sealed_after = pl[3];
+        int32_t * meta = v.meta(s, h);
+        ott_slot_meta * slots = (ott_slot_meta *) meta;
+        uint16_t * pool = v.pool(s, h);
+        for (int32_t g = n_sealed; g < n_sealed_after; ++g) {
+            for (uint32_t t = 0; t < G; ++t) {
+                const int32_t pos = g*(int32_t) G + (int32_t) t;
+                if (pos < n_pos) {
+                    memcpy(&gk[(size_t) t*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
+                    memcpy(&gv[(size_t) t*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
+                } else {
+                    const int64_t tok = si*v.n_tok + (pos - n_pos);
+                    ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, tok), (ggml_fp16_t *) &gk[(size_t) t*D], D);
+                    ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, tok), (ggml_fp16_t *) &gv[(size_t) t*D], D);
+                }
+            }
+            int n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1], tracing = meta[2*p.S + 2];
+            ott2_head_seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
+                           slots, pool, pool + (size_t) p.S*D, &n_pool,
+                           slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
+                           v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
+            meta[2*p.S] = n_pool;
+            meta[2*p.S + 1] = n_aux;
+            meta[2*p.S + 2] = tracing;
+        }
+        const int32_t keep_from = std::max(n_pos, n_sealed_after*(int32_t) G);
+        for (int64_t t = 0; t < v.n_tok; ++t) {
+            const int32_t pos = n_pos + (int32_t) t;
+            if (pos < keep_from) {
+                continue;
+            }
+            ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 0), D);
+            ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 1), D);
+        }
+    }
+}
+
+} // namespace
+
+ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_input_attn_kv_ott * inp,
+        ggml_tensor * q_cur, ggml_tensor * k_cur, ggml_tensor * v_cur, float kq_scale, int il) {
+    llama_kv_cache_ott * kv = inp->mctx_ott->get_kv();
+    ott_layer * L = kv->layer(il);
+    GGML_ASSERT(L != nullptr && "ott2: layer without a cache");
+    L->op.scale = kq_scale;
+    GGML_ASSERT(q_cur->ne[0] == L->op.D && k_cur->ne[0] == L->op.D && v_cur->ne[0] == L->op.D);
+    GGML_ASSERT(k_cur->ne[1] == L->op.H && q_cur->ne[1] == L->op.n_head);
+    ggml_tensor * q = q_cur->type == GGML_TYPE_F32 ? q_cur : ggml_cast(ctx0, q_cur, GGML_TYPE_F32);
+    ggml_tensor * k = ggml_cont(ctx0, k_cur);
+    ggml_tensor * v = ggml_cont(ctx0, v_cur);
+    ggml_tensor * args[9] = { q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta, inp->ub_plan };
+    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, args, 9, ott_attn_op,
+                                       GGML_N_TASKS_MAX, &L->op);
+    ggml_format_name(out, "ott_attn-%d", il);
+    args[0] = out; // the seal reads the cache after this layer's attention
+    ggml_tensor * seal = ggml_custom_4d(ctx0, GGML_TYPE_I32, 1, 1, 1, 1, args, 9, ott_seal_op, GGML_N_TASKS_MAX, &L->op);
+    ggml_format_name(seal, "ott_seal-%d", il);
+    ggml_build_forward_expand(gf, out);
+    ggml_build_forward_expand(gf, seal);
+    return ggml_reshape_2d(ctx0, out, out->ne[0]*out->ne[1], out->ne[2]);
+}
+
+// ------------------------------------------------------------------------------------------------- C API
+
+void llama_ott_set_params(int32_t G, int32_t R, int32_t outlier_num, int32_t aux_cap, int32_t no_outlier_layers) {
+    llama_ott_params & p = llama_ott_default_params();
+    p.G = (uint32_t) G;
+    p.R = (uint32_t) R;
+    p.outlier_num = (uint32_t) outlier_num;
+    p.aux_cap = (uint32_t) aux_cap;
+    p.no_outlier_layers = (uint32_t) no_outlier_layers;
+}
+
+void llama_ott_get_params(int32_t * out) {
+    const llama_ott_params & p = llama_ott_default_params();
+    out[0] = (int32_t) p.G;
+    out[1] = (int32_t) p.R;
+    out[2] = (int32_t) p.outlier_num;
+    out[3] = (int32_t) p.aux_cap;
+    out[4] = (int32_t) p.no_outlier_layers;
+}
+
+int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, int32_t n) {
+    auto * kv = dynamic_cast<llama_kv_cache_ott *>(llama_get_memory(lctx));
+    if (!kv) {
+        return 0;
+    }
+    int64_t sealed = 0, pos = 0;
+    for (const auto & st : kv->streams) {
+        sealed += (int64_t) st.n_sealed*kv->p.G;
+        pos += st.n_pos;
+    }
+    const int64_t vals[] = { pos, sealed };
+    const int32_t m = std::min<int32_t>(n, 2);
+    for (int32_t i = 0; i < m; ++i) {
+        out[i] = vals[i];
+    }
+    return m;
+}

@@ -1,0 +1,114 @@
+"""The ott2 cache inside the patched llama.cpp, end to end on SmolLM2 and real text (the pinned llama.cpp docs)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ott_gguf import Llama, OttConfig
+from ott_gguf.corpus import docs_text
+
+from helpers import eval_logits, kl_divergence
+
+# Bounds set from measurements on this text (1024 tokens, two 512-token ubatches, 2 threads): mean KLD vs f16
+# was 0.082 for ott2, 0.157 for kivi2 and 0.063 for rotated q4_0. The test allows some slack over ott2's
+# measurement and requires ott2 to stay clearly better than kivi2.
+OTT2_MEAN_KLD_BOUND = 0.11
+OTT2_VS_KIVI2_MAX_RATIO = 0.65
+
+
+@pytest.fixture(scope="module")
+def doc_tokens(smollm2: Path) -> list[int]:
+    llm = Llama(str(smollm2), kv_type="f16", n_ctx=256, verbose=False)
+    toks = llm.tokenize(docs_text(40_000).encode())
+    llm.close()
+    assert len(toks) >= 1024
+    return toks[:1024]
+
+
+@pytest.fixture(scope="module")
+def f16_logits(smollm2: Path, doc_tokens: list[int]) -> np.ndarray:
+    return eval_logits(smollm2, "f16", doc_tokens)
+
+
+def test_ott2_mean_kld_vs_f16_is_bounded_and_beats_kivi2(smollm2: Path, doc_tokens: list[int],
+                                                          f16_logits: np.ndarray) -> None:  # fmt: skip
+    ott2 = kl_divergence(f16_logits, eval_logits(smollm2, "ott2", doc_tokens)).mean()
+    kivi2 = kl_divergence(f16_logits, eval_logits(smollm2, "kivi2", doc_tokens)).mean()
+    print(f"mean KLD vs f16: ott2 {ott2:.4f}, kivi2 {kivi2:.4f}")
+    assert ott2 < OTT2_MEAN_KLD_BOUND
+    assert ott2 < OTT2_VS_KIVI2_MAX_RATIO * kivi2
+
+
+def test_ott2_greedy_generation_is_coherent(smollm2: Path) -> None:
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, verbose=False)
+    text = docs_text(6000)
+    prompt = text[:2500] + "\n\nIn one sentence, the document above explains how to"
+    out = llm(prompt, max_tokens=80, temperature=0.0, top_k=1)["choices"][0]["text"]
+    info = llm.kv_cache_info()
+    assert info["sealed"] >= 3 * 128, info  # the answer was written over a sealed (2-bit) cache
+    words = re.findall(r"[A-Za-z]+", out)
+    assert len(words) >= 10, out
+    assert sum(w.lower() in prompt.lower() for w in words) / len(words) > 0.5, out  # it speaks the text's language
+    again = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, verbose=False)
+    assert again(prompt, max_tokens=80, temperature=0.0, top_k=1)["choices"][0]["text"] == out  # deterministic
+
+
+def test_prefix_reuse_matches_fresh_processing(smollm2: Path, doc_tokens: list[int]) -> None:
+    """Truncating into the sealed region (seq_rm) and continuing gives the same logits as processing the kept
+    prefix fresh with the same ubatch boundaries. With R = 0 and a cut at a group boundary both hold the same
+    sealed groups; pooled tokens are served exactly either way, so the continuation's logits are bit-identical."""
+    cfg = OttConfig(R=0)
+    a = doc_tokens[:600]
+    b = doc_tokens[:384] + doc_tokens[700:800]
+    reuse = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=2048, logits_all=True, verbose=False)
+    reuse.eval(a)
+    assert reuse.kv_cache_info()["sealed"] == 512
+    reuse.n_tokens = 384  # llama-cpp-python's prefix reuse: eval() removes positions >= 384 (unsealing group 3)
+    reuse.eval(b[384:])
+    assert reuse.kv_cache_info()["positions"] == len(b)
+    fresh = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=2048, logits_all=True, verbose=False)
+    fresh.eval(b[:384])
+    fresh.eval(b[384:])
+    got = np.array(reuse.scores[384 : len(b)])
+    want = np.array(fresh.scores[384 : len(b)])
+    np.testing.assert_array_equal(got, want)
+
+
+# Measured: a cut at 450 (66 tokens of group 3 come back as their 2-bit values) gives mean KLD 0.278 over the
+# next 574 tokens, against 0.179 when the same 450 tokens were processed fresh (fp16 recent tokens): unsealing
+# is lossy by the spec's definition, and the recent window it refills is where attention looks most.
+UNSEAL_MEAN_KLD_BOUND = 0.35
+
+
+def test_truncating_inside_a_group_continues_coherently(smollm2: Path, doc_tokens: list[int],
+                                                         f16_logits: np.ndarray) -> None:  # fmt: skip
+    """A cut inside a sealed group brings its tokens back as they were served; the continuation stays usable."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, logits_all=True, verbose=False)
+    llm.eval(doc_tokens[:700])
+    llm.n_tokens = 450  # inside sealed group 3 (384..511)
+    llm.eval(doc_tokens[450:1024])
+    info = llm.kv_cache_info()
+    assert info["positions"] == 1024 and info["sealed"] == 7 * 128
+    kld = kl_divergence(f16_logits[450:1024], np.array(llm.scores[450:1024])).mean()
+    assert kld < UNSEAL_MEAN_KLD_BOUND, kld
+
+
+def test_unsupported_model_is_named(gemma3: Path) -> None:
+    with pytest.raises(ValueError, match="gemma3 architecture has sliding-window"):
+        Llama(str(gemma3), kv_type="ott2")
+
+
+def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
+    with pytest.raises(ValueError, match="unknown ott_config keys: Q"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"Q": 1})
+    with pytest.raises(ValueError, match="G must be 128"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"G": 64})
+    with pytest.raises(ValueError, match="ott_config applies"):
+        Llama(str(smollm2), kv_type="q8_0", ott_config={"R": 16})
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=512, verbose=False)
+    with pytest.raises(NotImplementedError, match="saving the state"):
+        llm.save_state()
