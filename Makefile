@@ -41,7 +41,7 @@ models: install
 	$(BIN)/ott-gguf models
 
 demo: install
-	$(BIN)/ott-gguf generate --kv-type q8_0 "Explain in two sentences why the sky is blue."
+	$(BIN)/ott-gguf generate --kv-type ott2 "Explain in two sentences why the sky is blue."
 
 lint: $(BIN)/python
 	$(PIP) install -q "ruff>=0.6"

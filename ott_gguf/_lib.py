@@ -136,6 +136,8 @@ def ott_model_problem(model_path: str) -> str:
     lc = llama_cpp_module().llama_cpp
     params = lc.llama_model_default_params()
     params.n_gpu_layers = 0  # memory-mapped, on the CPU: checking costs no copy of the weights
+    quiet = lc.llama_progress_callback(lambda progress, user_data: True)  # no progress dots on stderr
+    params.progress_callback = quiet
     model = lc.llama_model_load_from_file(model_path.encode(), params)
     if not model:
         raise ValueError(f"could not load the model {model_path}")
