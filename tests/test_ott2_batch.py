@@ -1,0 +1,115 @@
+"""Several sequences decoded in one batch with the ott2 cache (one stream each) match decoding them alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ott_gguf import _lib
+from ott_gguf.corpus import docs_text
+
+GGML_TYPE_OTT2 = 43
+LLAMA_FLASH_ATTN_TYPE_ENABLED = 1
+
+
+class Ctx:
+    """A bare llama.cpp context with the ott2 cache and n_seq streams (llama_cpp.Llama has one sequence)."""
+
+    def __init__(self, model: object, n_seq: int, n_ctx_seq: int) -> None:
+        self.lc = _lib.llama_cpp_module().llama_cpp
+        _lib.ott_set_params(128, 32, 3, 32, 2)
+        p = self.lc.llama_context_default_params()
+        p.n_ctx = n_ctx_seq * n_seq
+        p.n_batch = p.n_ubatch = 512
+        p.n_seq_max = n_seq
+        p.kv_unified = False
+        p.type_k = p.type_v = GGML_TYPE_OTT2
+        p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED
+        p.n_threads = p.n_threads_batch = 2
+        self.ctx = self.lc.llama_init_from_model(model, p)
+        assert self.ctx, "could not create the context"
+        self.n_vocab = self.lc.llama_vocab_n_tokens(self.lc.llama_model_get_vocab(model))
+        self.batch = self.lc.llama_batch_init(512, 0, n_seq)
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """items: (token, pos, seq, want_logits); returns the logits of the rows that asked for them."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        assert self.lc.llama_decode(self.ctx, b) == 0
+        out = []
+        for i, (*_, logits) in enumerate(items):
+            if logits:
+                ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return out
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+
+
+def test_three_sequences_in_one_batch_match_each_alone(smollm2: Path) -> None:
+    lc = _lib.llama_cpp_module().llama_cpp
+    mp = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(str(smollm2).encode(), mp)
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        text = docs_text(30_000).encode()
+        buf = (lc.llama_token * 16384)()
+        n = lc.llama_tokenize(vocab, text, len(text), buf, 16384, False, False)
+        assert n >= 2400, n
+        toks = list(buf[:n])
+        # three prompts of different lengths, all long enough to seal groups (G=128, R=32) while decoding
+        prompts = [toks[0:300], toks[1000:1230], toks[2000:2400]]
+        steps = 24
+
+        def run_alone(prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
+            c = Ctx(model, 1, 1024)
+            try:
+                for s in range(0, len(prompt), 256):
+                    chunk = prompt[s : s + 256]
+                    last = s + len(chunk) == len(prompt)
+                    logits = c.decode([(t, s + i, 0, last and i == len(chunk) - 1) for i, t in enumerate(chunk)])
+                out, rows = [], []
+                for k in range(steps):
+                    tok = int(np.argmax(logits[-1]))
+                    out.append(tok)
+                    rows.append(logits[-1])
+                    logits = c.decode([(tok, len(prompt) + k, 0, True)])
+                return out, rows
+            finally:
+                c.close()
+
+        alone = [run_alone(p) for p in prompts]
+
+        c = Ctx(model, 3, 1024)
+        try:
+            last: list[np.ndarray] = []
+            for seq, prompt in enumerate(prompts):  # prompts one sequence at a time, like server slots
+                for s in range(0, len(prompt), 256):
+                    chunk = prompt[s : s + 256]
+                    end = s + len(chunk) == len(prompt)
+                    got = c.decode([(t, s + i, seq, end and i == len(chunk) - 1) for i, t in enumerate(chunk)])
+                    if end:
+                        last.append(got[-1])
+            outs: list[list[int]] = [[], [], []]
+            rows: list[list[np.ndarray]] = [[], [], []]
+            for k in range(steps):  # then every step decodes one token of each sequence in one batch
+                items = []
+                for seq in range(3):
+                    tok = int(np.argmax(last[seq]))
+                    outs[seq].append(tok)
+                    rows[seq].append(last[seq])
+                    items.append((tok, len(prompts[seq]) + k, seq, True))
+                last = c.decode(items)
+        finally:
+            c.close()
+        for seq in range(3):
+            assert outs[seq] == alone[seq][0], f"sequence {seq} diverged"
+            np.testing.assert_allclose(np.array(rows[seq]), np.array(alone[seq][1]), rtol=1e-4, atol=1e-3)
+    finally:
+        lc.llama_model_free(model)
