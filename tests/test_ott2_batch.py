@@ -113,3 +113,28 @@ def test_three_sequences_in_one_batch_match_each_alone(smollm2: Path) -> None:
             np.testing.assert_allclose(np.array(rows[seq]), np.array(alone[seq][1]), rtol=1e-4, atol=1e-3)
     finally:
         lc.llama_model_free(model)
+
+
+def test_seq_cp_copies_a_whole_sequence(smollm2: Path) -> None:
+    """llama_memory_seq_cp to another stream gives a sequence that continues exactly like the original."""
+    lc = _lib.llama_cpp_module().llama_cpp
+    model = lc.llama_model_load_from_file(str(smollm2).encode(), lc.llama_model_default_params())
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        text = docs_text(4000).encode()
+        buf = (lc.llama_token * 4096)()
+        n = lc.llama_tokenize(vocab, text, len(text), buf, 4096, False, False)
+        prompt = list(buf[: min(n, 420)])
+        assert len(prompt) == 420  # seals groups 0 and 1 (G=128, R=32) in the source stream
+        c = Ctx(model, 2, 1024)
+        try:
+            for s in range(0, len(prompt), 210):
+                c.decode([(t, s + i, 0, False) for i, t in enumerate(prompt[s : s + 210])])
+            lc.llama_memory_seq_cp(lc.llama_get_memory(c.ctx), 0, 1, -1, -1)
+            assert lc.llama_memory_seq_pos_max(lc.llama_get_memory(c.ctx), 1) == len(prompt) - 1
+            a, b = c.decode([(prompt[-1], len(prompt), 0, True), (prompt[-1], len(prompt), 1, True)])
+            np.testing.assert_array_equal(a, b)
+        finally:
+            c.close()
+    finally:
+        lc.llama_model_free(model)

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 // OTT_GGUF_PARAMS="G,R,outlier_num,aux_cap,no_outlier_layers" sets the defaults of a process (llama-server)
 static llama_ott_params ott_params_from_env() {
@@ -442,8 +443,11 @@ void llama_kv_cache_ott::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
     }
     // copy every per-stream slice of every tensor (the stream is the outermost dimension of each)
     for (auto & L : layers) {
-        for (ggml_tensor * t : { L.sealed_k, L.sealed_v, L.pool_meta }) {
-            const size_t sz = t->nb[ggml_n_dims(t) - 1 >= 3 ? 3 : 2];
+        // the stream is dim 3 of the sealed tensors and dim 2 of the pool metadata
+        const std::pair<ggml_tensor *, size_t> per_stream[] = {
+            { L.sealed_k, L.sealed_k->nb[3] }, { L.sealed_v, L.sealed_v->nb[3] }, { L.pool_meta, L.pool_meta->nb[2] },
+        };
+        for (const auto & [t, sz] : per_stream) {
             memcpy((char *) t->data + seq_id_dst*sz, (char *) t->data + seq_id_src*sz, sz);
         }
         const size_t ring_sz = 2*L.ring->nb[3];
