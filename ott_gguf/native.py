@@ -356,6 +356,22 @@ class GgmlOtt2:
         return float(s[0])
 
 
+def ggml_quantize_rows(type_id: int, x: np.ndarray, n_per_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """Any ggml type through the patched ggml: (blocks from ggml_quantize_chunk as bytes, their to_float)."""
+    base = ggml_ott2()._base
+    traits = base.ggml_get_type_traits(type_id)
+    x = _f32(x).reshape(-1, n_per_row)
+    nbytes = x.size // int(traits.blck_size) * int(traits.type_size)
+    out = np.zeros(nbytes, dtype=np.uint8)
+    written = base.ggml_quantize_chunk(type_id, _ptr(x, "float *"), _ffi.from_buffer(out), 0, x.shape[0], n_per_row,
+                                       _ffi.NULL)  # fmt: skip
+    if written != nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {nbytes}")
+    back = np.zeros(x.size, dtype=np.float32)
+    traits.to_float(_ffi.from_buffer(out), _ffi.cast("float *", _ffi.from_buffer(back)), x.size)
+    return out.reshape(-1, int(traits.type_size)), back
+
+
 @cache
 def kernels() -> Kernels:
     return Kernels()

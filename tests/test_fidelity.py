@@ -12,52 +12,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cffi import FFI
 
 from ott_gguf import fidelity as F
 from ott_gguf import reference as ref
-from ott_gguf._lib import lib_path
+from ott_gguf.native import ggml_quantize_rows
 
 GGML_TYPE_Q4_0 = 2
 GGML_TYPE_Q8_0 = 8
 
-_ffi = FFI()
-_ffi.cdef(
-    """
-    typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
-    typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
-    struct ggml_type_traits {
-        const char * type_name;
-        int64_t blck_size;
-        int64_t blck_size_interleave;
-        size_t type_size;
-        bool is_quantized;
-        ggml_to_float_t to_float;
-        ggml_from_float_t from_float_ref;
-    };
-    const struct ggml_type_traits * ggml_get_type_traits(int type);
-    size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
-                               int64_t n_per_row, const float * imatrix);
-    """
-)
 
-
-@pytest.fixture(scope="module")
-def ggml() -> object:
-    return _ffi.dlopen(str(lib_path("ggml-base")))
-
-
-def ggml_quantize(lib: object, type_: int, x: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+def ggml_quantize(type_: int, x: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """(blocks (n/32, block_bytes) from ggml_quantize_chunk, their to_float) for rows of 64 values."""
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    out = np.zeros((x.size // 32, block_bytes), np.uint8)
-    src = _ffi.cast("float *", _ffi.from_buffer(x))
-    n = lib.ggml_quantize_chunk(type_, src, _ffi.from_buffer(out), 0, x.size // 64, 64, _ffi.NULL)  # type: ignore[attr-defined]
-    assert n == out.nbytes
-    back = np.zeros(x.size, np.float32)
-    traits = lib.ggml_get_type_traits(type_)  # type: ignore[attr-defined]
-    traits.to_float(_ffi.from_buffer(out), _ffi.cast("float *", _ffi.from_buffer(back)), x.size)
-    return out, back
+    blocks, back = ggml_quantize_rows(type_, x, 64)
+    assert blocks.shape[1] == block_bytes
+    return blocks, back
 
 
 def awkward_rows(rng: np.random.Generator) -> np.ndarray:
@@ -76,18 +44,18 @@ def awkward_rows(rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def test_q8_0_matches_ggml(ggml: object) -> None:
+def test_q8_0_matches_ggml() -> None:
     x = awkward_rows(np.random.default_rng(1))
-    blocks, back = ggml_quantize(ggml, GGML_TYPE_Q8_0, x, 34)
+    blocks, back = ggml_quantize(GGML_TYPE_Q8_0, x, 34)
     d, qs = F.q8_0_quantize(x)
     np.testing.assert_array_equal(F.q8_0_pack(d, qs), blocks)
     np.testing.assert_array_equal(F.q8_0_dequantize(d, qs).reshape(-1), back)
     np.testing.assert_array_equal(F.token_roundtrip(x, "q8_0").reshape(-1), back)
 
 
-def test_q4_0_matches_ggml(ggml: object) -> None:
+def test_q4_0_matches_ggml() -> None:
     x = awkward_rows(np.random.default_rng(2))
-    blocks, back = ggml_quantize(ggml, GGML_TYPE_Q4_0, x, 18)
+    blocks, back = ggml_quantize(GGML_TYPE_Q4_0, x, 18)
     d, codes = F.q4_0_quantize(x)
     np.testing.assert_array_equal(F.q4_0_pack(d, codes), blocks)
     np.testing.assert_array_equal(F.q4_0_dequantize(d, codes).reshape(-1), back)
