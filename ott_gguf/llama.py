@@ -85,15 +85,16 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             info.update(positions=held, sealed=sealed, config=self.ott_config)
         return info
 
-    def save_state(self) -> Any:
-        if self.kv_type in OTT_KV_TYPES:
-            raise NotImplementedError(f"saving the state of a {self.kv_type} cache is not implemented yet")
-        return super().save_state()
-
     def load_state(self, state: Any) -> None:
-        if self.kv_type in OTT_KV_TYPES:
-            raise NotImplementedError(f"loading a state into a {self.kv_type} cache is not implemented yet")
-        super().load_state(state)
+        try:
+            super().load_state(state)
+        except RuntimeError as e:
+            if self.kv_type in OTT_KV_TYPES:
+                raise ValueError(
+                    f"this saved state cannot be loaded into a {self.kv_type} cache: it was saved with another K/V "
+                    "cache type or another ott2 configuration (llama.cpp's log says which)"
+                ) from e
+            raise
 
     def close(self) -> None:
         # __init__ may have refused the arguments before the stock class set anything up

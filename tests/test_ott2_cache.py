@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ott_gguf import Llama, OttConfig
+from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.corpus import docs_text
 
 from helpers import eval_logits, kl_divergence
@@ -109,6 +109,37 @@ def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
         Llama(str(smollm2), kv_type="ott2", ott_config={"G": 64})
     with pytest.raises(ValueError, match="ott_config applies"):
         Llama(str(smollm2), kv_type="q8_0", ott_config={"R": 16})
-    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=512, verbose=False)
-    with pytest.raises(NotImplementedError, match="saving the state"):
-        llm.save_state()
+
+
+def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list[int]) -> None:
+    """A saved ott2 state (sealed groups, pools, ring) continues token-identically after loading; states of
+    another cache type or another ott2 configuration are refused with a clear error."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, verbose=False)
+    llm.eval(doc_tokens[:450])
+    assert llm.kv_cache_info()["sealed"] == 384
+    state = llm.save_state()
+
+    lc = _lib.llama_cpp_module().llama_cpp
+
+    def greedy(n: int) -> list[int]:
+        out = [doc_tokens[450]]  # a fixed first token: logits come from the (restored) cache, not a saved buffer
+        llm.eval(out)
+        for _ in range(n):
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+            out.append(int(np.argmax(logits)))
+            llm.eval(out[-1:])
+        return out
+
+    first = greedy(100)  # continues the 450 tokens; at 544 positions group 3 gets sealed
+    llm.eval(doc_tokens[600:700])  # change the cache some more
+    llm.load_state(state)
+    assert llm.kv_cache_info()["positions"] == 450 and llm.kv_cache_info()["sealed"] == 384
+    assert greedy(100) == first
+
+    other = Llama(str(smollm2), kv_type="ott2", ott_config=OttConfig(R=16), n_ctx=2048, verbose=False)
+    with pytest.raises(ValueError, match="another ott2 configuration"):
+        other.load_state(state)
+    q8 = Llama(str(smollm2), kv_type="q8_0", n_ctx=2048, verbose=False)
+    q8.eval(doc_tokens[:50])
+    with pytest.raises(ValueError, match="another K/V cache type"):
+        llm.load_state(q8.save_state())

@@ -5,6 +5,7 @@
 #include "llama-cparams.h"
 #include "llama-hparams.h"
 #include "llama-impl.h"
+#include "llama-io.h"
 #include "llama-model.h"
 #include "llama-ott.h"
 #include "ott2-head.h"
@@ -502,18 +503,112 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_ott::memory_breakdow
     return { { ggml_backend_buffer_get_type(buf), ggml_backend_buffer_get_size(buf) } };
 }
 
+// State: magic, version, the configuration and per-layer shapes (a state of another cache type or another
+// configuration is refused), then per stream its counters and the used parts of every tensor.
+static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
+static const uint32_t OTT_STATE_VERSION = 1;
+
 void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
-    GGML_UNUSED(io);
-    GGML_UNUSED(seq_id);
     GGML_UNUSED(flags);
-    throw std::runtime_error("ott2: saving the state of an ott2 cache is not implemented yet");
+    const uint32_t hdr[9] = { OTT_STATE_MAGIC, OTT_STATE_VERSION, p.G, p.R, OTT2_HEAD_GV, p.outlier_num, p.aux_cap,
+                              p.no_outlier_layers, (uint32_t) layers.size() };
+    io.write(hdr, sizeof(hdr));
+    for (const auto & L : layers) {
+        const uint32_t shape[4] = { L.op.D, L.op.H, L.op.T, L.op.S };
+        io.write(shape, sizeof(shape));
+    }
+    std::vector<uint32_t> which;
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        if (seq_id < 0 || (uint32_t) seq_id == s) {
+            which.push_back(s);
+        }
+    }
+    const uint32_t n = (uint32_t) which.size();
+    io.write(&n, sizeof(n));
+    for (uint32_t s : which) {
+        const int32_t rec[3] = { (int32_t) s, streams[s].n_pos, streams[s].n_sealed };
+        io.write(rec, sizeof(rec));
+        for (const auto & L : layers) {
+            for (uint32_t h = 0; h < L.op.H; ++h) {
+                const size_t nsk = (size_t) streams[s].n_sealed*L.sealed_k->nb[1];
+                const size_t nsv = (size_t) streams[s].n_sealed*L.sealed_v->nb[1];
+                io.write((const char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
+                io.write((const char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
+                for (int kv = 0; kv < 2; ++kv) {
+                    for (uint32_t t = 0; t < L.op.T; ++t) {
+                        io.write((const char *) L.ring->data + h*L.ring->nb[1] + t*L.ring->nb[2] + (2*s + kv)*L.ring->nb[3],
+                                 L.op.D*sizeof(ggml_fp16_t));
+                    }
+                }
+                io.write((const char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3], L.pool_kv->nb[3]);
+                io.write((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2], L.pool_meta->nb[1]);
+            }
+        }
+    }
 }
 
 void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    GGML_UNUSED(io);
-    GGML_UNUSED(seq_id);
     GGML_UNUSED(flags);
-    throw std::runtime_error("ott2: loading a state into an ott2 cache is not implemented yet");
+    uint32_t hdr[9];
+    io.read(hdr, sizeof(hdr));
+    if (hdr[0] != OTT_STATE_MAGIC) {
+        throw std::runtime_error("ott2: this state was not saved from an ott2 cache (another K/V cache type?)");
+    }
+    if (hdr[1] != OTT_STATE_VERSION) {
+        throw std::runtime_error("ott2: state version " + std::to_string(hdr[1]) + ", this build reads version " +
+                                 std::to_string(OTT_STATE_VERSION));
+    }
+    const uint32_t mine[7] = { p.G, p.R, OTT2_HEAD_GV, p.outlier_num, p.aux_cap, p.no_outlier_layers,
+                               (uint32_t) layers.size() };
+    const char * names[7] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers", "n_layer" };
+    for (int i = 0; i < 7; ++i) {
+        if (hdr[2 + i] != mine[i]) {
+            throw std::runtime_error(std::string("ott2: the state was saved with ") + names[i] + "=" +
+                                     std::to_string(hdr[2 + i]) + ", this cache has " + names[i] + "=" +
+                                     std::to_string(mine[i]));
+        }
+    }
+    for (const auto & L : layers) {
+        uint32_t shape[4];
+        io.read(shape, sizeof(shape));
+        if (shape[0] != L.op.D || shape[1] != L.op.H || shape[2] != L.op.T || shape[3] != L.op.S) {
+            throw std::runtime_error("ott2: the state's layer shapes differ from this model's");
+        }
+    }
+    uint32_t n = 0;
+    io.read(&n, sizeof(n));
+    if (seq_id >= 0 && n != 1) {
+        throw std::runtime_error("ott2: a sequence state must hold exactly one sequence");
+    }
+    if (seq_id < 0) {
+        clear(true);
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+        int32_t rec[3];
+        io.read(rec, sizeof(rec));
+        const int32_t s = seq_id >= 0 ? seq_id : rec[0];
+        if (s < 0 || (uint32_t) s >= n_stream || rec[1] < 0 || (uint32_t) rec[1] > n_ctx_seq || rec[2] < 0 ||
+            (int64_t) rec[2]*p.G > rec[1]) {
+            throw std::runtime_error("ott2: the state does not fit this context (sequence " + std::to_string(s) +
+                                     ", " + std::to_string(rec[1]) + " positions)");
+        }
+        for (auto & L : layers) {
+            for (uint32_t h = 0; h < L.op.H; ++h) {
+                io.read((char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
+                io.read((char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
+                for (int kv = 0; kv < 2; ++kv) {
+                    for (uint32_t t = 0; t < L.op.T; ++t) {
+                        io.read((char *) L.ring->data + h*L.ring->nb[1] + t*L.ring->nb[2] + (2*s + kv)*L.ring->nb[3],
+                                L.op.D*sizeof(ggml_fp16_t));
+                    }
+                }
+                io.read((char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3], L.pool_kv->nb[3]);
+                io.read((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2], L.pool_meta->nb[1]);
+            }
+        }
+        streams[s].n_pos = rec[1];
+        streams[s].n_sealed = rec[2];
+    }
 }
 
 // ---------------------------------------------------------------------------------------------- context
