@@ -8,45 +8,43 @@ from pathlib import Path
 
 from ott_gguf.server import Server, free_port
 
+OTT_GGUF = Path(sys.executable).with_name("ott-gguf")
 
-def test_serve_answers_a_chat_completion(smollm2: Path, tmp_path: Path) -> None:
+
+def serve_and_ask(model: Path, kv_type: str, n_ctx: int, questions: list[str], log: Path) -> Server:
+    """Start `ott-gguf serve`, ask each question (a non-empty answer each), stop; returns the stopped server."""
     port = free_port()
-    exe = Path(sys.executable).with_name("ott-gguf")
-    cmd = [str(exe), "serve", str(smollm2), "--kv-type", "q8_0", "--port", str(port), "--", "-c", "1024", "-t", "2"]
-    log = tmp_path / "server.log"
+    cmd = [str(OTT_GGUF), "serve", str(model), "--kv-type", kv_type, "--port", str(port),
+           "--", "-c", str(n_ctx), "-t", "2"]  # fmt: skip
     srv = Server(cmd, "127.0.0.1", port, log=log)
     try:
         srv.wait_healthy(timeout=120)
-        out = srv.chat([{"role": "user", "content": "Name a fruit."}], max_tokens=16, temperature=0.0)
-        text = out["choices"][0]["message"]["content"]  # type: ignore[index]
-        assert isinstance(text, str) and text.strip(), out
+        for question in questions:
+            out = srv.chat([{"role": "user", "content": question}], max_tokens=16, temperature=0.0)
+            text = out["choices"][0]["message"]["content"]  # type: ignore[index]
+            assert isinstance(text, str) and text.strip(), out
     finally:
         srv.stop()
+    return srv
+
+
+def test_serve_answers_a_chat_completion(smollm2: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    srv = serve_and_ask(smollm2, "q8_0", 1024, ["Name a fruit."], log)
     assert srv.proc.returncode is not None
     # the server really ran with the requested cache type
     assert "q8_0" in log.read_text(errors="replace")
 
 
 def test_serve_rejects_unknown_kv_type(smollm2: Path) -> None:
-    exe = Path(sys.executable).with_name("ott-gguf")
-    res = subprocess.run([str(exe), "serve", str(smollm2), "--kv-type", "q9"], capture_output=True, text=True)
+    res = subprocess.run([str(OTT_GGUF), "serve", str(smollm2), "--kv-type", "q9"], capture_output=True, text=True)
     assert res.returncode == 2
     assert "unknown kv_type" in res.stderr and "q8_0" in res.stderr
 
 
 def test_serve_with_the_ott2_cache(smollm2: Path, tmp_path: Path) -> None:
-    """llama-server with -ctk/-ctv ott2 and 4 slots (one stream per slot) answers, and says it uses ott2."""
-    port = free_port()
-    exe = Path(sys.executable).with_name("ott-gguf")
-    cmd = [str(exe), "serve", str(smollm2), "--kv-type", "ott2", "--port", str(port), "--", "-c", "4096", "-t", "2"]
+    """llama-server with -ctk/-ctv ott2 and 4 slots (one stream per slot) answers several requests."""
     log = tmp_path / "server.log"
-    srv = Server(cmd, "127.0.0.1", port, log=log)
-    try:
-        srv.wait_healthy(timeout=120)
-        for question in ("Name a fruit.", "Name a color."):
-            out = srv.chat([{"role": "user", "content": question}], max_tokens=16, temperature=0.0)
-            assert str(out["choices"][0]["message"]["content"]).strip(), out  # type: ignore[index]
-    finally:
-        srv.stop()
+    serve_and_ask(smollm2, "ott2", 4096, ["Name a fruit.", "Name a color."], log)
     text = log.read_text(errors="replace")
     assert "n_slots = 4, n_ctx_slot = 1024, kv_unified = 'false'" in text, text[-2000:]
