@@ -109,6 +109,14 @@ class HeadConfig:
     def tag(self) -> str:
         return f"h{self.bits}g{self.G}v{self.Gv}"
 
+    @property
+    def int_chunk(self) -> int:
+        """Channels whose int8-query x code products an int16 lane can sum without overflow (a power of 2)."""
+        n = 2
+        while 2 * n * self.k.nlev * 127 <= 32767:
+            n *= 2
+        return n
+
 
 def parse_heads(text: str) -> list[HeadConfig]:
     out = []

@@ -42,6 +42,12 @@ _ffi.cdef(
             int n_pooled, const int32_t * pooled_pos, const uint16_t * pooled_k, const uint16_t * pooled_v,
             int n_tail, int32_t tail_pos0, const uint16_t * tail_k, const uint16_t * tail_v, int tail_stride,
             float * out);
+    typedef void (*ott_attn_group_fn)(int D, int n_rows, const float * q, float scale, const void * kq,
+            const void * vq, int n_cover, const int32_t * cover_j, const uint16_t * cover_k, const uint16_t * cover_v,
+            float * M, float * L, float * acc, void * scratch);
+    typedef void (*ott_attn_tail_fn)(int D, int n_rows, const float * q, const int32_t * q_pos, float scale,
+            int n_t, int32_t pos0, const uint16_t * tk, const uint16_t * tv, int stride,
+            float * M, float * L, float * acc, void * scratch);
     typedef struct {
         int bits;
         int G;
@@ -51,6 +57,8 @@ _ffi.cdef(
         size_t v_block_bytes;
         ott_seal_fn seal;
         ott_attn_fn attn;
+        ott_attn_group_fn attn_group;
+        ott_attn_tail_fn attn_tail;
     } ott_head_kernel;
     const ott_head_kernel * ott_head_kernels(int * n);
     int ott_cpu_supports(const char * isa);
@@ -248,6 +256,58 @@ class HeadKernelSet:
             _ffi.cast(u16, _ffi.from_buffer(tv)), D, _ffi.cast("float *", _ffi.from_buffer(out)),
         )  # fmt: skip
         return out
+
+    def attn_rows(
+        self,
+        q: np.ndarray,
+        q_pos: np.ndarray,
+        scale: float,
+        kq: np.ndarray,
+        vq: np.ndarray,
+        n_sealed: int,
+        pooled_pos: np.ndarray,
+        pooled_k: np.ndarray,
+        pooled_v: np.ndarray,
+        tail_pos0: int,
+        tail_k: np.ndarray,
+        tail_v: np.ndarray,
+    ) -> np.ndarray:
+        """Query rows (n, D) at positions q_pos over one head's state with the multi-row kernels the cache's
+        attention op uses (int8 query on the codes, one online-softmax state per row), driven group by group
+        and then tail tile by tail tile as the op drives them."""
+        q = np.ascontiguousarray(q, np.float32)
+        n_rows, D = q.shape
+        qp = np.ascontiguousarray(q_pos, np.int32)
+        M = np.full(n_rows, -np.inf, np.float32)
+        L = np.zeros(n_rows, np.float32)
+        acc = np.zeros((n_rows, D), np.float32)
+        scratch = np.zeros(2 * self.G * D, np.float32)
+        kq = np.ascontiguousarray(kq, np.uint8).reshape(-1)
+        vq = np.ascontiguousarray(vq, np.uint8).reshape(-1)
+        kbytes, vbytes = D * self.k_block_bytes, self.G * (D // self.Gv) * self.v_block_bytes
+        ppos = np.asarray(pooled_pos, np.int32)
+        pk, pv = _u16(pooled_k).reshape(-1, D), _u16(pooled_v).reshape(-1, D)
+        u16, f32 = "uint16_t *", "float *"
+        state = (_ptr(M, f32), _ptr(L, f32), _ptr(acc, f32), _ffi.from_buffer(scratch))
+        for g in range(n_sealed):
+            sel = np.flatnonzero((ppos >= g * self.G) & (ppos < (g + 1) * self.G))
+            cj = np.ascontiguousarray(ppos[sel] - g * self.G, np.int32)
+            ck, cv = np.ascontiguousarray(pk[sel]), np.ascontiguousarray(pv[sel])
+            self._k.attn_group(
+                D, n_rows, _ptr(q, f32), scale, _ffi.from_buffer(kq[g * kbytes : (g + 1) * kbytes]),
+                _ffi.from_buffer(vq[g * vbytes : (g + 1) * vbytes]), len(sel),
+                _ffi.cast("int32_t *", _ffi.from_buffer(cj)), _ffi.cast(u16, _ffi.from_buffer(ck)),
+                _ffi.cast(u16, _ffi.from_buffer(cv)), *state,
+            )  # fmt: skip
+        tk, tv = _u16(tail_k).reshape(-1, D), _u16(tail_v).reshape(-1, D)
+        for t0 in range(0, tk.shape[0], self.G):
+            k_t, v_t = np.ascontiguousarray(tk[t0 : t0 + self.G]), np.ascontiguousarray(tv[t0 : t0 + self.G])
+            self._k.attn_tail(
+                D, n_rows, _ptr(q, f32), _ffi.cast("int32_t *", _ffi.from_buffer(qp)), scale, k_t.shape[0],
+                tail_pos0 + t0, _ffi.cast(u16, _ffi.from_buffer(k_t)), _ffi.cast(u16, _ffi.from_buffer(v_t)), D,
+                *state,
+            )  # fmt: skip
+        return acc / L[:, None]
 
 
 class Kernels:

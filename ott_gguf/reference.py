@@ -361,17 +361,36 @@ def truncate(state: HeadState, p0: int) -> None:
 # ----------------------------------------------------------------------------------------------- attention
 
 
-def attend(state: HeadState, q: np.ndarray, q_pos: np.ndarray, scale: float | None = None) -> np.ndarray:
+def attend(
+    state: HeadState, q: np.ndarray, q_pos: np.ndarray, scale: float | None = None, int8_query: bool = False
+) -> np.ndarray:
     """Attention of query rows q (n, D) at positions q_pos (n,) over one head's cache, with cover semantics.
 
     Causal: a query at position p sees the positions <= p. Scores q.K * scale (default 1/sqrt(D)), softmax and
     accumulation in fp32; every position appears exactly once (see HeadState.served).
+
+    int8_query: score the sealed (not pooled) tokens as the native multi-row kernel does, reading the codes with
+    the query quantized per row and group: s = scale*(q.m + a*sum_c qi_c code_c), qi = rint(q*d/a),
+    a = max|q*d|/127, in fp32 (the integer sums are exact).
     """
     q = np.asarray(q, dtype=np.float32)
     q_pos = np.asarray(q_pos, dtype=np.int64)
     pos, k, v = state.served()
     scale = np.float32(1.0 / math.sqrt(state.head_dim) if scale is None else scale)
     s = (q @ k.T).astype(np.float32) * scale
+    if int8_query:
+        pooled = set(state.pooled().pos.tolist())
+        for g in state.groups:
+            d = g.k_scale.astype(np.float32)
+            qd = q * d[None, :]
+            amax = np.abs(qd).max(axis=1)
+            ia = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+            qi = np.rint(qd * ia[:, None]).astype(np.int64)
+            isum = qi @ g.k_codes.astype(np.int64)  # (n, G), exact
+            base = q @ g.k_min.astype(np.float32)
+            sg = base[:, None] * scale + (amax / np.float32(127.0) * scale)[:, None] * isum.astype(np.float32)
+            cols = [j for j in range(state.G) if g.index * state.G + j not in pooled]
+            s[:, [g.index * state.G + j for j in cols]] = sg[:, cols]
     s = np.where(pos[None, :] <= q_pos[:, None], s, np.float32(-np.inf))
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -14,10 +17,13 @@ import pytest
 
 from ott_gguf import quantizer as Q
 from ott_gguf import reference as ref
+from ott_gguf.evaluate import eval_logits, kl_divergence  # noqa: F401 (the K/V quality tests import them from here)
 from ott_gguf.native import PoolArrays, SealResult
+from ott_gguf.server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+OTT_GGUF = Path(sys.executable).with_name("ott-gguf")
 
 
 def require_tool(*names: str, hint: str) -> None:
@@ -147,6 +153,29 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
         got = hk.attn(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
         vmax = float(np.abs(st.served()[2]).max())
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * vmax)
+    check_attention_rows(hk, st, nat, rng)
+
+
+def check_attention_rows(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.random.Generator) -> None:
+    """The multi-row kernels (the cache's op): equal within fp32 rounding to the reference with the int8 query
+    it specifies, and close to exact attention (the int8 query is the only approximation)."""
+    if not hasattr(hk, "attn_rows"):
+        return
+    D = st.head_dim
+    scale = 1.0 / math.sqrt(D)
+    pooled = st.pooled()
+    kq = np.concatenate(nat.kq) if nat.kq else np.zeros((0, hk.k_block_bytes), np.uint8)
+    vq = np.concatenate(nat.vq) if nat.vq else np.zeros((0, hk.v_block_bytes), np.uint8)
+    lo = st.n_sealed * st.G
+    q_pos = np.array(sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo, (lo + st.n_pos) // 2}), np.int32)
+    q = (rng.standard_normal((len(q_pos), D)) * 0.5).astype(np.float32)
+    got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
+                       st.tail_v)  # fmt: skip
+    vmax = float(np.abs(st.served()[2]).max())
+    want = ref.attend(st, q, q_pos, scale, int8_query=True)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
+    exact = ref.attend(st, q, q_pos, scale)
+    assert float(np.abs(got - exact).max()) <= 0.05 * vmax
 
 
 def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,27 +188,18 @@ def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, n
     return k, v
 
 
-# --- quality of a K/V cache type against f16 on real text ----------------------------------------------------
+# --- the `ott-gguf serve` console command --------------------------------------------------------------------
 
 
-def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64."""
-    a = np.asarray(ref_logits, np.float64)
-    b = np.asarray(logits, np.float64)
-    la = a - a.max(axis=1, keepdims=True)
-    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
-    lb = b - b.max(axis=1, keepdims=True)
-    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
-    return (np.exp(la) * (la - lb)).sum(axis=1)
-
-
-def eval_logits(model: Path, kv_type: str, tokens: list[int], n_ctx: int = 2048, **kw: object) -> np.ndarray:
-    """Logits of every position of `tokens` evaluated in ubatches of 512 with the given cache type."""
-    from ott_gguf import Llama
-
-    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=True,
-                verbose=False, **kw)  # fmt: skip
-    llm.eval(tokens)
-    out = np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    llm.close()
-    return out
+@contextmanager
+def serving(model: Path, kv_type: str, n_ctx: int, log: Path, extra: Sequence[str] = ()) -> Iterator[Server]:
+    """`ott-gguf serve` on a free port, waited for until healthy, stopped when the block ends."""
+    port = free_port()
+    cmd = [str(OTT_GGUF), "serve", str(model), "--kv-type", kv_type, "--port", str(port),
+           "--", "-c", str(n_ctx), "-t", "2", *extra]  # fmt: skip
+    srv = Server(cmd, "127.0.0.1", port, log=log)
+    try:
+        srv.wait_healthy(timeout=120)
+        yield srv
+    finally:
+        srv.stop()

@@ -719,53 +719,136 @@ ott_views views_of(const ggml_tensor * dst, const ott_op_params & p) {
     return v;
 }
 
-// attention of every (stream, q head, token) row: sealed groups as codes, pools exact, ring + ubatch fp16 tail
-void ott_attn_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// Attention runs as two ops. The partial op splits each (stream, KV head) into units: NS slices of the sealed
+// groups (decode: flash-decoding over the sequence, so a single head still keeps every thread busy) and the
+// fp16 tail, each for a chunk of OTT_TOK_CHUNK tokens of the ubatch (all of its query heads, so the codes of a
+// group are unpacked once for the GQA heads and tokens). A unit writes an online-softmax state per row into
+// `part`; the merge op combines the NS + 1 states of each row.
+constexpr int64_t OTT_TOK_CHUNK = 32;
+
+// rows of one (stream, KV head): row r = t*gq + k for ubatch token t and query head h*gq + k
+// part: F32 [D + 2, gq*n_tok, H, ns*(NS + 1)]: acc[0, D), M at D, L at D + 1
+void ott_attn_part_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ott_op_params & p = *(const ott_op_params *) userdata;
     const ott_views v = views_of(dst, p);
     const ggml_tensor * q = dst->src[0];
-    const uint32_t D = p.D, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
-    std::vector<int32_t> ppos;
-    std::vector<uint16_t> pk, pv, tk, tv;
-    for (int64_t u = ith; u < v.ns*p.H; u += nth) {
-        const int64_t si = u / p.H;
-        const uint32_t h = (uint32_t) (u % p.H);
+    const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
+    const int64_t NS1 = dst->ne[3] / v.ns; // sealed slices + 1 tail unit
+    const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
+    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
+    std::vector<float> scratch((size_t) 2*G*D + 16), qb, acc, M, L;
+    std::vector<int32_t> qpos, cj;
+    std::vector<uint16_t> ck, cv, tk, tv;
+    for (int64_t u = ith; u < v.ns*p.H*NS1*n_tc; u += nth) {
+        const int64_t tc = u % n_tc;
+        const int64_t k  = (u / n_tc) % NS1;
+        const uint32_t h = (uint32_t) ((u / n_tc / NS1) % p.H);
+        const int64_t si = u / (n_tc*NS1*p.H);
         const int32_t * pl = v.plan_of(si);
         const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
-        // pooled tokens: the outlier pool [0, n_pool) and the aux pool [O, O + n_aux) of (s, h)
-        const int32_t * meta = v.meta(s, h);
-        const ott_slot_meta * slots = (const ott_slot_meta *) meta;
-        const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
-        const uint16_t * pool = v.pool(s, h);
-        ppos.clear(); pk.clear(); pv.clear();
-        for (int32_t i = 0; i < n_pool + n_aux; ++i) {
-            const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
-            ppos.push_back(slots[slot].pos);
-            pk.insert(pk.end(), pool + (size_t) slot*D, pool + (size_t) (slot + 1)*D);
-            pv.insert(pv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
-        }
-        // the fp16 tail: ring positions [n_sealed*G, n_pos), then this ubatch's tokens (rounded to fp16 as cached)
-        const int32_t lo = n_sealed*(int32_t) p.G;
-        const int64_t n_tail = (n_pos - lo) + v.n_tok;
-        tk.resize(n_tail*D); tv.resize(n_tail*D);
-        for (int32_t pos = lo; pos < n_pos; ++pos) {
-            memcpy(&tk[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
-            memcpy(&tv[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
-        }
-        for (int64_t t = 0; t < v.n_tok; ++t) {
-            ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) &tk[(size_t) (n_pos - lo + t)*D], D);
-            ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) &tv[(size_t) (n_pos - lo + t)*D], D);
-        }
-        const char * skb = v.sealed(v.sk, s, h);
-        const char * svb = v.sealed(v.sv, s, h);
-        for (uint32_t hq = h*gq; hq < (h + 1)*gq; ++hq) {
-            for (int64_t t = 0; t < v.n_tok; ++t) {
-                const int64_t tok = si*v.n_tok + t;
-                const float * qr = (const float *) ((const char *) q->data + hq*q->nb[1] + tok*q->nb[2]);
-                float * out = (float *) ((char *) dst->data + hq*dst->nb[1] + tok*dst->nb[2]);
-                ott2_head_attn((int) D, qr, n_pos + (int32_t) t, p.scale, n_sealed, skb, svb, (int) ppos.size(),
-                               ppos.data(), pk.data(), pv.data(), (int) n_tail, lo, tk.data(), tv.data(), (int) D, out);
+        const int64_t t0 = tc*OTT_TOK_CHUNK, t1 = std::min(v.n_tok, t0 + OTT_TOK_CHUNK);
+        const int64_t nr = (t1 - t0)*gq;
+        qb.resize((size_t) nr*D); qpos.resize(nr);
+        acc.assign((size_t) nr*D, 0.0f); M.assign(nr, -INFINITY); L.assign(nr, 0.0f);
+        for (int64_t t = t0; t < t1; ++t) {
+            for (uint32_t kq = 0; kq < gq; ++kq) {
+                const int64_t r = (t - t0)*gq + kq;
+                memcpy(&qb[(size_t) r*D], (const char *) q->data + (h*gq + kq)*q->nb[1] + (si*v.n_tok + t)*q->nb[2],
+                       D*sizeof(float));
+                qpos[r] = n_pos + (int32_t) t;
             }
+        }
+        if (k < NS1 - 1) {
+            // sealed groups [g0, g1) of this slice; pooled tokens inside a group cover it
+            const int32_t g0 = (int32_t) (k*n_sealed/(NS1 - 1)), g1 = (int32_t) ((k + 1)*n_sealed/(NS1 - 1));
+            const int32_t * meta = v.meta(s, h);
+            const ott_slot_meta * slots = (const ott_slot_meta *) meta;
+            const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
+            const uint16_t * pool = v.pool(s, h);
+            for (int32_t g = g0; g < g1; ++g) {
+                cj.clear(); ck.clear(); cv.clear();
+                for (int32_t i = 0; i < n_pool + n_aux; ++i) {
+                    const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
+                    const int32_t j = slots[slot].pos - g*(int32_t) G;
+                    if (j >= 0 && j < (int32_t) G) {
+                        cj.push_back(j);
+                        ck.insert(ck.end(), pool + (size_t) slot*D, pool + (size_t) (slot + 1)*D);
+                        cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
+                    }
+                }
+                ott2_head_attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
+                                     v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
+                                     M.data(), L.data(), acc.data(), scratch.data());
+            }
+        } else {
+            // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
+            const int32_t lo = n_sealed*(int32_t) G;
+            const int64_t n_tail = (n_pos - lo) + t1;
+            tk.resize((size_t) n_tail*D); tv.resize((size_t) n_tail*D);
+            for (int32_t pos = lo; pos < n_pos; ++pos) {
+                memcpy(&tk[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
+                memcpy(&tv[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
+            }
+            for (int64_t t = 0; t < t1; ++t) { // rounded to fp16 as the ring will keep them
+                const size_t o = (size_t) (n_pos - lo + t)*D;
+                ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) &tk[o], D);
+                ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) &tv[o], D);
+            }
+            for (int64_t j0 = 0; j0 < n_tail; j0 += G) {
+                const int n_t = (int) std::min<int64_t>(G, n_tail - j0);
+                ott2_head_attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, lo + (int32_t) j0,
+                                    &tk[(size_t) j0*D], &tv[(size_t) j0*D], (int) D, M.data(), L.data(), acc.data(),
+                                    scratch.data());
+            }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+            float * o = (float *) ((char *) dst->data + (t0*gq + r)*dst->nb[1] + h*dst->nb[2] + (si*NS1 + k)*dst->nb[3]);
+            memcpy(o, &acc[(size_t) r*D], D*sizeof(float));
+            o[D] = M[r];
+            o[D + 1] = L[r];
+        }
+    }
+}
+
+// out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row
+void ott_attn_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ott_op_params & p = *(const ott_op_params *) userdata;
+    const ggml_tensor * part = dst->src[0];
+    const uint32_t D = p.D, gq = p.n_head / p.H;
+    const int64_t n_rows = dst->ne[1]*dst->ne[2]; // (query head, token) over every stream
+    const int64_t n_tok = part->ne[1] / gq, ns = dst->ne[2] / n_tok, NS1 = part->ne[3] / ns;
+    for (int64_t i = ith; i < n_rows; i += nth) {
+        const int64_t hq = i % dst->ne[1], tok = i / dst->ne[1];
+        const int64_t si = tok / n_tok, t = tok % n_tok, h = hq / gq, r = t*gq + hq % gq;
+        auto state = [&](int64_t k) {
+            return (const float *) ((const char *) part->data + r*part->nb[1] + h*part->nb[2] + (si*NS1 + k)*part->nb[3]);
+        };
+        float mx = -INFINITY;
+        for (int64_t k = 0; k < NS1; ++k) {
+            const float * st = state(k);
+            if (st[D + 1] > 0.0f) {
+                mx = std::max(mx, st[D]);
+            }
+        }
+        float * out = (float *) ((char *) dst->data + hq*dst->nb[1] + tok*dst->nb[2]);
+        for (uint32_t c = 0; c < D; ++c) {
+            out[c] = 0.0f;
+        }
+        float l = 0.0f;
+        for (int64_t k = 0; k < NS1; ++k) {
+            const float * st = state(k);
+            if (st[D + 1] <= 0.0f) {
+                continue; // an empty slice
+            }
+            const float w = expf(st[D] - mx);
+            l += w*st[D + 1];
+            for (uint32_t c = 0; c < D; ++c) {
+                out[c] += w*st[c];
+            }
+        }
+        const float il = l > 0.0f ? 1.0f/l : 0.0f;
+        for (uint32_t c = 0; c < D; ++c) {
+            out[c] *= il;
         }
     }
 }
@@ -832,7 +915,13 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     ggml_tensor * k = ggml_cont(ctx0, k_cur);
     ggml_tensor * v = ggml_cont(ctx0, v_cur);
     ggml_tensor * args[9] = { q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta, inp->ub_plan };
-    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, args, 9, ott_attn_op,
+    const int64_t n_tok = q->ne[2] / inp->ub_plan->ne[1];
+    const int64_t ns = inp->ub_plan->ne[1];
+    const int64_t NS = n_tok <= 4 ? 8 : 1; // decode: split the sealed groups 8 ways; prefill: split over tokens
+    ggml_tensor * part = ggml_custom_4d(ctx0, GGML_TYPE_F32, L->op.D + 2, (L->op.n_head / L->op.H)*n_tok, L->op.H,
+                                        ns*(NS + 1), args, 9, ott_attn_part_op, GGML_N_TASKS_MAX, &L->op);
+    ggml_format_name(part, "ott_attn_part-%d", il);
+    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, &part, 1, ott_attn_merge_op,
                                        GGML_N_TASKS_MAX, &L->op);
     ggml_format_name(out, "ott_attn-%d", il);
     args[0] = out; // the seal reads the cache after this layer's attention
