@@ -73,6 +73,10 @@ class HeadKernels(Protocol):
              pooled_pos: np.ndarray, pooled_k: np.ndarray, pooled_v: np.ndarray, tail_pos0: int,
              tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray: ...  # fmt: skip
 
+    def attn_rows(self, q: np.ndarray, q_pos: np.ndarray, scale: float, kq: np.ndarray, vq: np.ndarray,
+                  n_sealed: int, pooled_pos: np.ndarray, pooled_k: np.ndarray, pooled_v: np.ndarray, tail_pos0: int,
+                  tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray: ...  # fmt: skip
+
 
 def as_arrays(p: ref.Pool) -> PoolArrays:
     return PoolArrays(pos=p.pos.astype(np.int32), score=p.score.astype(np.float32), k=p.k, v=p.v)
@@ -159,8 +163,6 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
 def check_attention_rows(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.random.Generator) -> None:
     """The multi-row kernels (the cache's op): equal within fp32 rounding to the reference with the int8 query
     it specifies, and close to exact attention (the int8 query is the only approximation)."""
-    if not hasattr(hk, "attn_rows"):
-        return
     D = st.head_dim
     scale = 1.0 / math.sqrt(D)
     pooled = st.pooled()

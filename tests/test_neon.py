@@ -174,6 +174,21 @@ class QemuHead:
         ])  # fmt: skip
         return np.frombuffer(self._run("attn", payload), np.float32).copy()
 
+    def attn_rows(self, q: np.ndarray, q_pos: np.ndarray, scale: float, kq: np.ndarray, vq: np.ndarray,
+                  n_sealed: int, pooled_pos: np.ndarray, pooled_k: np.ndarray, pooled_v: np.ndarray, tail_pos0: int,
+                  tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray:  # fmt: skip
+        n_rows, D = q.shape
+        head = np.array([D, n_rows, n_sealed, len(pooled_pos), len(tail_k), tail_pos0], np.int32)
+        payload = b"".join([
+            head.tobytes(), np.float32(scale).tobytes(), np.asarray(q, np.float32).tobytes(),
+            np.asarray(q_pos, np.int32).tobytes(),
+            np.ascontiguousarray(kq, np.uint8).tobytes(), np.ascontiguousarray(vq, np.uint8).tobytes(),
+            np.asarray(pooled_pos, np.int32).tobytes(), np.asarray(pooled_k, np.float16).tobytes(),
+            np.asarray(pooled_v, np.float16).tobytes(), np.asarray(tail_k, np.float16).tobytes(),
+            np.asarray(tail_v, np.float16).tobytes(),
+        ])  # fmt: skip
+        return np.frombuffer(self._run("rows", payload), np.float32).reshape(n_rows, D).copy()
+
 
 @pytest.mark.parametrize("isa", ["neon", "scalar"])
 @pytest.mark.parametrize("bits,G,Gv", HEADS)

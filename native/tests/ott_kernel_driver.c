@@ -5,9 +5,11 @@
 //   ott_kernel_driver BITS GROUP ISA vec_dot    IN(i64 n, blocks, q8_1) OUT(f32)
 //   ott_kernel_driver head BITS G GV ISA seal IN OUT   per-head seal (layouts: see head_seal below)
 //   ott_kernel_driver head BITS G GV ISA attn IN OUT   per-head attention (see head_attn below)
+//   ott_kernel_driver head BITS G GV ISA rows IN OUT   multi-row attention kernels (see head_rows below)
 // Exit status 2 on bad usage or I/O, 3 when the kernel is not in the table.
 #include "ott-kernels.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +123,62 @@ static int head_attn(const ott_head_kernel * k, const unsigned char * in, size_t
     return write_all(out_path, out, (size_t) D*4);
 }
 
+// IN:  int32 {D, n_rows, n_sealed, n_pooled, n_tail, tail_pos0}, f32 scale, f32 q[n_rows*D], i32 q_pos[n_rows],
+//      kq, vq, pooled and tail as for head_attn
+// OUT: f32 out[n_rows*D]: the multi-row kernels driven group by group, then tail tile by tail tile (as
+//      ott_gguf.native.HeadKernelSet.attn_rows drives them)
+static int head_rows(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+    reader r = { in, in + n_in };
+    int32_t h[6];
+    memcpy(h, take(&r, sizeof(h)), sizeof(h));
+    float scale;
+    memcpy(&scale, take(&r, 4), 4);
+    const int D = h[0], n_rows = h[1], n_sealed = h[2], n_pooled = h[3], n_tail = h[4], G = k->G;
+    const float * q = take(&r, (size_t) n_rows*D*4);
+    const int32_t * q_pos = take(&r, (size_t) n_rows*4);
+    const size_t kbytes = (size_t) D*k->k_block_bytes, vbytes = (size_t) G*(D/k->Gv)*k->v_block_bytes;
+    const unsigned char * kq = take(&r, (size_t) n_sealed*kbytes);
+    const unsigned char * vq = take(&r, (size_t) n_sealed*vbytes);
+    const int32_t * pp = take(&r, (size_t) n_pooled*4);
+    const uint16_t * pk = take(&r, (size_t) n_pooled*D*2);
+    const uint16_t * pv = take(&r, (size_t) n_pooled*D*2);
+    const uint16_t * tk = take(&r, (size_t) n_tail*D*2);
+    const uint16_t * tv = take(&r, (size_t) n_tail*D*2);
+    float * M = malloc((size_t) n_rows*4);
+    float * L = calloc((size_t) n_rows, 4);
+    float * acc = calloc((size_t) n_rows*D, 4);
+    float * scratch = malloc((size_t) 2*G*D*4);
+    int32_t * cj = malloc((size_t) (n_pooled + 1)*4);
+    uint16_t * ck = malloc((size_t) (n_pooled + 1)*D*2);
+    uint16_t * cv = malloc((size_t) (n_pooled + 1)*D*2);
+    for (int i = 0; i < n_rows; ++i) {
+        M[i] = -INFINITY;
+    }
+    for (int g = 0; g < n_sealed; ++g) {
+        int nc = 0;
+        for (int i = 0; i < n_pooled; ++i) {
+            if (pp[i] >= g*G && pp[i] < (g + 1)*G) {
+                cj[nc] = pp[i] - g*G;
+                memcpy(ck + (size_t) nc*D, pk + (size_t) i*D, (size_t) D*2);
+                memcpy(cv + (size_t) nc*D, pv + (size_t) i*D, (size_t) D*2);
+                nc++;
+            }
+        }
+        k->attn_group(D, n_rows, q, scale, kq + g*kbytes, vq + g*vbytes, nc, cj, ck, cv, M, L, acc, scratch);
+    }
+    for (int j0 = 0; j0 < n_tail; j0 += G) {
+        const int n_t = n_tail - j0 < G ? n_tail - j0 : G;
+        k->attn_tail(D, n_rows, q, q_pos, scale, n_t, h[5] + j0, tk + (size_t) j0*D, tv + (size_t) j0*D, D,
+                     M, L, acc, scratch);
+    }
+    for (int i = 0; i < n_rows; ++i) {
+        for (int c = 0; c < D; ++c) {
+            acc[(size_t) i*D + c] /= L[i];
+        }
+    }
+    return write_all(out_path, acc, (size_t) n_rows*D*4);
+}
+
 static int head_main(int argc, char ** argv) {
     if (argc != 9) {
         fprintf(stderr, "usage: %s head BITS G GV ISA seal|attn IN OUT\n", argv[0]);
@@ -149,6 +207,8 @@ static int head_main(int argc, char ** argv) {
         ok = head_seal(k, in, n_in, argv[8]);
     } else if (strcmp(argv[6], "attn") == 0) {
         ok = head_attn(k, in, n_in, argv[8]);
+    } else if (strcmp(argv[6], "rows") == 0) {
+        ok = head_rows(k, in, n_in, argv[8]);
     } else {
         return 2;
     }
