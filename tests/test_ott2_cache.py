@@ -143,3 +143,26 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
     q8.eval(doc_tokens[:50])
     with pytest.raises(ValueError, match="another K/V cache type"):
         llm.load_state(q8.save_state())
+
+
+def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
+    """llama.cpp's own tools select kivi2 by name and take --ott-params (kivi2 keeps 0 outliers whatever the
+    parameters say); an unknown cache type is refused by name."""
+    import subprocess
+
+    text = tmp_path / "docs.txt"
+    text.write_text(docs_text(4_000))
+    ppl = str(_lib.bin_path("llama-perplexity"))
+    base = [ppl, "-m", str(smollm2), "-f", str(text), "-c", "128", "--chunks", "1", "-t", "2", "-lv", "4"]
+    out = subprocess.run([*base, "-ctk", "kivi2", "-ctv", "kivi2", "--ott-params", "128,16,5,32,2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
+    assert "R=16" in line and "outliers=0" in line
+    assert "Final estimate: PPL" in out.stderr
+    out = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,16,5,32,2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "outliers=5" in next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
+    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "ott3" in bad.stderr
