@@ -166,3 +166,37 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     assert "outliers=5" in next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
     bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "ott3" in bad.stderr
+
+
+def test_non_finite_keys_are_refused_until_the_sequence_is_cleared(smollm2: Path) -> None:
+    """Keys or values that are not finite cannot be quantized: the sequence refuses further batches with an error
+    (llama_decode fails) instead of sealing garbage, and works again once it is cleared."""
+    import llama_cpp
+
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=512, verbose=False)
+    ctx = llm._ctx.ctx
+    toks = llm.tokenize(docs_text(2_000).encode())[:200]
+    llm.eval(toks)
+    n_embd = llama_cpp.llama_model_n_embd(llm._model.model)
+    batch = llama_cpp.llama_batch_init(1, n_embd, 1)
+    try:
+        batch.n_tokens = 1
+        for i in range(n_embd):
+            batch.embd[i] = float("nan")
+        batch.pos[0] = len(toks)
+        batch.n_seq_id[0] = 1
+        batch.seq_id[0][0] = 0
+        batch.logits[0] = True
+        llama_cpp.llama_decode(ctx, batch)  # computes NaN K/V: the cache marks the sequence
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    nxt = llama_cpp.llama_batch_get_one((llama_cpp.llama_token * 1)(toks[0]), 1)
+    assert llama_cpp.llama_decode(ctx, nxt) != 0
+    with pytest.raises(RuntimeError):
+        llm.eval(toks[:1])
+    llm.reset()
+    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, -1, -1)
+    llm.eval(toks[:50])
+    assert np.isfinite(np.array(llm.scores[49])).all()
+    info = _lib.ott_cache_info(ctx)
+    assert info is not None and info[0] == 50

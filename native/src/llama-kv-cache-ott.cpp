@@ -14,6 +14,7 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
@@ -51,6 +52,7 @@ struct ott_op_params {
     uint32_t D, H, n_head, G, Gv, T, S, NG, n_stream;
     int32_t  outlier_num, aux_cap;
     float    scale;
+    uint8_t * poisoned; // [n_stream]: set by the seal op when a stream's new K/V are not finite
 };
 
 struct ott_layer {
@@ -106,6 +108,7 @@ public:
     const uint32_t n_stream;
     const uint32_t n_ctx_seq;
     std::vector<ott_stream> streams;
+    std::vector<uint8_t> poisoned; // per stream: non-finite K/V were computed; refused until the stream is reset
 
 private:
     void reset_stream_meta(uint32_t s);
@@ -156,7 +159,7 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
         ggml_format_name(L.pool_kv, "ott_pool_kv_l%d", il);
         ggml_format_name(L.pool_meta, "ott_pool_meta_l%d", il);
         L.op = { D, H, hparams.n_head(il), G, Gv, T, S, NG, n_stream,
-                 (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num), (int32_t) p.aux_cap, 1.0f };
+                 (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num), (int32_t) p.aux_cap, 1.0f, nullptr };
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
         bytes_tail  += ggml_nbytes(L.ring);
         bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta);
@@ -170,6 +173,10 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
     }
     ggml_backend_buffer_clear(buf, 0);
     streams.assign(n_stream, {});
+    poisoned.assign(n_stream, 0);
+    for (auto & L : layers) {
+        L.op.poisoned = poisoned.data();
+    }
     for (uint32_t s = 0; s < n_stream; ++s) {
         reset_stream_meta(s);
     }
@@ -196,6 +203,7 @@ void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {
         }
     }
     streams[s] = {};
+    poisoned[s] = 0;
 }
 
 // why the ott2 cache cannot serve this model ("" when it can)
@@ -304,6 +312,12 @@ llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & bal
             return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         for (const auto & pl : plan) {
+            if (poisoned[pl.stream]) {
+                LLAMA_LOG_ERROR("%s: ott2: sequence %d holds non-finite keys or values (computed by an earlier batch); "
+                                "its cache cannot be quantized: clear the sequence (seq_rm over all positions) and "
+                                "process it again\n", __func__, pl.stream);
+                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
             if (std::count_if(plan.begin(), plan.end(), [&](const auto & x) { return x.stream == pl.stream; }) != 1) {
                 LLAMA_LOG_ERROR("%s: ott2: a sequence appears twice in one ubatch\n", __func__);
                 return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
@@ -888,6 +902,16 @@ void ott_seal_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             meta[2*p.S] = n_pool;
             meta[2*p.S + 1] = n_aux;
             meta[2*p.S + 2] = tracing;
+        }
+        for (int64_t t = 0; t < v.n_tok && !p.poisoned[s]; ++t) {
+            const float * kr = v.cur_row(v.kc, h, si*v.n_tok + t);
+            const float * vr = v.cur_row(v.vc, h, si*v.n_tok + t);
+            for (uint32_t c = 0; c < D; ++c) {
+                if (!std::isfinite(kr[c]) || !std::isfinite(vr[c])) {
+                    p.poisoned[s] = 1; // a benign race: every writer stores 1
+                    break;
+                }
+            }
         }
         const int32_t keep_from = std::max(n_pos, n_sealed_after*(int32_t) G);
         for (int64_t t = 0; t < v.n_tok; ++t) {
