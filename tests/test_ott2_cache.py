@@ -111,6 +111,19 @@ def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
         Llama(str(smollm2), kv_type="q8_0", ott_config={"R": 16})
 
 
+def greedy(llm: Llama, first: int, n: int) -> list[int]:
+    """first, then n greedy tokens; the first is fixed so that logits come from the (restored) cache, not from a
+    saved logits buffer."""
+    lc = _lib.llama_cpp_module().llama_cpp
+    out = [first]
+    llm.eval(out)
+    for _ in range(n):
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        out.append(int(np.argmax(logits)))
+        llm.eval(out[-1:])
+    return out
+
+
 def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list[int]) -> None:
     """A saved ott2 state (sealed groups, pools, ring) continues token-identically after loading; states of
     another cache type or another ott2 configuration are refused with a clear error."""
@@ -119,22 +132,11 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
     assert llm.kv_cache_info()["sealed"] == 384
     state = llm.save_state()
 
-    lc = _lib.llama_cpp_module().llama_cpp
-
-    def greedy(n: int) -> list[int]:
-        out = [doc_tokens[450]]  # a fixed first token: logits come from the (restored) cache, not a saved buffer
-        llm.eval(out)
-        for _ in range(n):
-            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
-            out.append(int(np.argmax(logits)))
-            llm.eval(out[-1:])
-        return out
-
-    first = greedy(100)  # continues the 450 tokens; at 544 positions group 3 gets sealed
+    first = greedy(llm, doc_tokens[450], 100)  # continues the 450 tokens; at 544 positions group 3 gets sealed
     llm.eval(doc_tokens[600:700])  # change the cache some more
     llm.load_state(state)
     assert llm.kv_cache_info()["positions"] == 450 and llm.kv_cache_info()["sealed"] == 384
-    assert greedy(100) == first
+    assert greedy(llm, doc_tokens[450], 100) == first
 
     other = Llama(str(smollm2), kv_type="ott2", ott_config=OttConfig(R=16), n_ctx=2048, verbose=False)
     with pytest.raises(ValueError, match="another ott2 configuration"):
@@ -200,3 +202,29 @@ def test_non_finite_keys_are_refused_until_the_sequence_is_cleared(smollm2: Path
     assert np.isfinite(np.array(llm.scores[49])).all()
     info = _lib.ott_cache_info(ctx)
     assert info is not None and info[0] == 50
+
+
+def test_sequence_state_moves_to_another_context(smollm2: Path, doc_tokens: list[int]) -> None:
+    """Per-sequence state (llama_state_seq_get/set_data): a sequence saved from one context continues
+    token-identically in another; a context with another ott2 configuration refuses it and stays empty."""
+    import ctypes
+
+    lc = _lib.llama_cpp_module().llama_cpp
+    src = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    src.eval(doc_tokens[:300])
+    assert src.kv_cache_info()["sealed"] == 256
+    n = lc.llama_state_seq_get_size(src._ctx.ctx, 0)
+    buf = (ctypes.c_uint8 * n)()
+    assert lc.llama_state_seq_get_data(src._ctx.ctx, buf, n, 0) == n
+    want = greedy(src, doc_tokens[300], 40)
+
+    dst = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    assert lc.llama_state_seq_set_data(dst._ctx.ctx, buf, n, 0) == n
+    dst.n_tokens = 300  # the Python layer's position counter: the tokens are in the cache already
+    dst.input_ids[:300] = doc_tokens[:300]
+    assert dst.kv_cache_info()["positions"] == 300 and dst.kv_cache_info()["sealed"] == 256
+    assert greedy(dst, doc_tokens[300], 40) == want
+
+    r16 = Llama(str(smollm2), kv_type="ott2", ott_config=OttConfig(R=16), n_ctx=1024, verbose=False)
+    assert lc.llama_state_seq_set_data(r16._ctx.ctx, buf, n, 0) == 0
+    assert r16.kv_cache_info()["positions"] == 0

@@ -606,6 +606,7 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
             throw std::runtime_error("ott2: the state does not fit this context (sequence " + std::to_string(s) +
                                      ", " + std::to_string(rec[1]) + " positions)");
         }
+        reset_stream_meta((uint32_t) s); // counters, pool meta and the non-finite mark start over
         for (auto & L : layers) {
             for (uint32_t h = 0; h < L.op.H; ++h) {
                 io.read((char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
