@@ -35,6 +35,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from . import chat
+    from .kv_types import resolve_kv_type
+
+    kv_type = resolve_kv_type(args.kv_type)  # before fetching a model for nothing
+    return chat.run(_model_path(args.model), kv_type=kv_type, n_ctx=args.n_ctx, system=args.system,
+                    max_tokens=args.max_tokens, temperature=args.temperature, verbose=args.verbose)  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import server_command, server_env
 
@@ -62,6 +71,145 @@ def cmd_build_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- info, eval, bench: the computations are in ott_gguf.info/.evaluate/.bench; here they are formatted ------
+
+
+def _kv_type_list(value: str) -> list[str]:
+    """--kv-types: comma-separated names, validated here so that a typo fails before any model is loaded."""
+    from .kv_types import resolve_kv_type
+
+    try:
+        names = [resolve_kv_type(v) for v in value.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not names:
+        raise argparse.ArgumentTypeError("no K/V cache type given")
+    return list(dict.fromkeys(names))
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {value!r}")
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned first column, the others right-aligned, columns as wide as their widest cell."""
+    w = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in [header, *rows]
+    )
+
+
+def _progress(msg: str) -> None:
+    print(f"ott-gguf: {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import textwrap
+
+    from .info import INFO_KV_TYPES, MEASURE_CTX, MIB, formula_bytes_per_token, measure_kv_bytes, model_info
+    from .kv_types import OTT_KV_TYPES
+
+    path = _model_path(args.model)
+    mi = model_info(path)
+    hd = str(mi.head_dim_k) if mi.head_dim_k == mi.head_dim_v else f"{mi.head_dim_k} (K), {mi.head_dim_v} (V)"
+    print(f"model: {path}")
+    print(f"architecture: {mi.architecture}")
+    print(f"n_layer: {mi.n_layer}")
+    print(f"n_head: {mi.n_head}")
+    print(f"n_head_kv: {'per layer' if mi.n_head_kv is None else mi.n_head_kv}")
+    print(f"head_dim: {hd}")
+    print(f"trained context: {mi.n_ctx_train or '?'}")
+    if mi.sliding_window:
+        print(f"sliding window: {mi.sliding_window}")
+    print("ott2: supported" if not mi.ott2_problem else f"ott2: not supported: {mi.ott2_problem}")
+
+    types = [t for t in INFO_KV_TYPES if not (mi.ott2_problem and t in OTT_KV_TYPES)]
+    measured = {k.kv_type: k for k in measure_kv_bytes(path, types)}
+    budget = args.budget_mib * MIB
+    header = ["kv_type", "bytes/token", "formula", "fixed MiB", f"MiB @ {args.n_ctx}"]
+    header.append(f"max n_ctx in {args.budget_mib:g} MiB")
+    rows = []
+    for t in INFO_KV_TYPES:
+        k = measured.get(t)
+        if k is None:
+            rows.append([t, "-", "-", "-", "-", "not supported"])
+            continue
+        f = formula_bytes_per_token(mi, t)
+        rows.append([t, f"{k.per_token:.0f}", "-" if f is None else f"{f:.0f}", f"{k.fixed / MIB:.2f}",
+                     f"{k.at(args.n_ctx) / MIB:.2f}", str(k.longest_context(budget))])  # fmt: skip
+    small, large = MEASURE_CTX
+    print()
+    print(_table(header, rows))
+    note = (
+        f"bytes/token and fixed: the K/V cache allocation each cache logs for contexts of {small} and {large} tokens "
+        f"(to 0.01 MiB: about +-{0.01 * MIB / (large - small):.1f} B/token), one sequence; formula: n_layer x "
+        f"n_head_kv x (K + V head dims) x ggml bytes per element. MiB @ {args.n_ctx} and max n_ctx follow from "
+        "bytes/token and fixed; the budget counts the K/V cache only (not the weights or compute buffers), max n_ctx "
+        "is rounded down to a multiple of 256."
+    )
+    print("\n" + textwrap.fill(note, width=110))
+    for t in OTT_KV_TYPES:
+        if t in measured and measured[t].parts:
+            parts = ", ".join(f"{name} {b / MIB:.2f}" for name, b in measured[t].parts.items())
+            print(f"{t} at {large} tokens (MiB): {parts}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import REFERENCE, evaluate, import_pyplot, plot_eval
+
+    path = _model_path(args.model)
+    if args.plot:
+        import_pyplot()  # fail before minutes of evaluation, not after
+    text = Path(args.text).read_text(encoding="utf-8", errors="replace") if args.text else None
+    rows = evaluate(path, args.kv_types, text=text, n_ctx=args.n_ctx, chunks=args.chunks, ubatch=args.ubatch,
+                    n_threads=args.threads, progress=_progress)  # fmt: skip
+    source = args.text or "the pinned llama.cpp docs"
+    print(f"{path.name}: {rows[0].n_tokens} tokens of {source} ({rows[0].chunks} chunk(s) of up to {args.n_ctx}, "
+          f"ubatch {args.ubatch}), each K/V type against the {REFERENCE} cache")  # fmt: skip
+    header = ["kv_type", "mean KLD", "max KLD", "PPL", f"PPL / {REFERENCE}", f"top-1 = {REFERENCE}"]
+    # significant digits, not decimals: an exact 0 prints as 0, a tiny divergence does not round to it
+    print(_table(header, [[r.kv_type, f"{r.mean_kld:.4g}", f"{r.max_kld:.4g}", f"{r.ppl:.3f}", f"{r.ppl_ratio:.4f}",
+                           f"{100 * r.top1:.1f}%"] for r in rows]))  # fmt: skip
+    if args.plot:
+        plot_eval(rows, args.plot, title=f"{path.name}: {rows[0].n_tokens} tokens, n_ctx {args.n_ctx}")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench, plot_bench
+    from .evaluate import import_pyplot
+    from .info import measure_kv_bytes
+
+    path = _model_path(args.model)
+    if args.plot:
+        import_pyplot()  # fail before the benchmark, not after
+    per_token = {k.kv_type: k.per_token for k in measure_kv_bytes(path, args.kv_types)}
+    try:
+        rows = bench(path, args.kv_types, depths=args.depths, n_prompt=args.n_prompt, n_gen=args.n_gen,
+                     threads=args.threads, reps=args.reps, progress=_progress)  # fmt: skip
+    except RuntimeError as e:
+        print(f"ott-gguf: error: {e}", file=sys.stderr)
+        return 1
+    labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: (r.depth, r.test))))
+    cells = {(r.kv_type, r.label): f"{r.tokens_per_s:.1f}" for r in rows}
+    print(f"{path.name}: tokens/s by llama-bench ({args.reps} repetition(s), flash attention on); "
+          "pp = prefill, tg = decode, @ = tokens already in the cache")  # fmt: skip
+    table = [[t, f"{per_token[t]:.0f}", *(cells.get((t, lb), "-") for lb in labels)] for t in args.kv_types]
+    print(_table(["kv_type", "KV B/token", *labels], table))
+    if args.plot:
+        plot_bench(rows, args.plot, per_token, title=f"{path.name}, llama-bench")
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .kv_types import KV_TYPES
 
@@ -76,6 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--n-ctx", type=int, default=2048)
     g.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat in the terminal, streaming, with the K/V cache's size after each answer")
+    c.add_argument("model", nargs="?", help=f"GGUF path or a known model name (default {models.DEFAULT_MODEL})")
+    c.add_argument("--kv-type", default="ott2", help=f"K/V cache type: {', '.join(KV_TYPES)}")
+    c.add_argument("--n-ctx", type=int, default=4096)
+    c.add_argument("--system", help="system prompt (default: the chat template's own)")
+    c.add_argument("--max-tokens", type=int, default=512, help="longest answer, in tokens")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy, reproducible")
+    c.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    c.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser(
         "serve", help="run the patched llama-server (OpenAI-compatible); flags after -- go to llama-server"
@@ -92,6 +250,35 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("build-info", help="what native build is installed and loaded")
     b.set_defaults(fn=cmd_build_info)
+
+    known = f"GGUF path or one of {', '.join(models.MODELS)}"
+    i = sub.add_parser("info", help="attention shape, ott2 support, K/V bytes per token and longest context per type")
+    i.add_argument("model", help=known)
+    i.add_argument("--budget-mib", type=float, default=1024, help="memory for the K/V cache, MiB (default 1024)")
+    i.add_argument("--n-ctx", type=int, default=4096, help="also show each cache's size at this context length")
+    i.set_defaults(fn=cmd_info)
+
+    e = sub.add_parser("eval", help="KL divergence, perplexity ratio and top-1 agreement of K/V types vs f16")
+    e.add_argument("model", help=known)
+    e.add_argument("--text", help="UTF-8 text file (default: the pinned llama.cpp docs)")
+    e.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk, each from an empty cache")
+    e.add_argument("--chunks", type=int, default=4, help="at most this many chunks")
+    e.add_argument("--ubatch", type=int, default=16, help="tokens per decode call (1: token by token)")
+    e.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,kivi2,ott2", help="comma-separated")
+    e.add_argument("--threads", type=int, help="CPU threads (default: llama-cpp-python's)")
+    e.add_argument("--plot", help="write a bar chart (PNG) here")
+    e.set_defaults(fn=cmd_eval)
+
+    n = sub.add_parser("bench", help="prefill/decode tokens/s vs context depth per K/V type (llama-bench)")
+    n.add_argument("model", help=known)
+    n.add_argument("--depths", type=_int_list, default="0,512,2048", help="tokens in the cache before timing")
+    n.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,ott2", help="comma-separated")
+    n.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed (prefill)")
+    n.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens timed (decode)")
+    n.add_argument("-r", "--reps", type=int, default=3, help="repetitions per test")
+    n.add_argument("--threads", type=int, help="CPU threads (default: llama-bench's)")
+    n.add_argument("--plot", help="write tokens/s vs depth (PNG) here")
+    n.set_defaults(fn=cmd_bench)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []

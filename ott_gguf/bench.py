@@ -1,0 +1,120 @@
+"""Prefill and decode speed per K/V cache type and context depth, measured by the bundled llama-bench.
+
+`ott-gguf bench MODEL` runs `llama-bench -ctk T -ctv T -fa 1 -d DEPTHS -p P -n N -o json` once per cache type
+(kivi2 is the ott2 cache with no outliers, chosen through OTT_GGUF_PARAMS as for llama-server) and reads its
+JSON: "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at a time, each after
+`depth` tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._lib import bin_path
+from .kv_types import OTT_KV_TYPES, resolve_kv_type
+from .server import server_env
+
+__all__ = ["BenchRow", "bench", "bench_command", "parse_bench_json", "plot_bench"]
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    kv_type: str
+    test: str  # "pp" (prompt processing, prefill) or "tg" (token generation, decode)
+    n_tokens: int  # tokens timed: P for pp, N for tg
+    depth: int  # tokens in the cache before the timed ones
+    tokens_per_s: float  # mean over the repetitions
+    stddev: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.test}{self.n_tokens} @ {self.depth}"
+
+
+def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
+                  threads: int | None, reps: int) -> list[str]:  # fmt: skip
+    ctype = "ott2" if resolve_kv_type(kv_type) in OTT_KV_TYPES else resolve_kv_type(kv_type)
+    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", ctype, "-ctv", ctype, "-fa", "1",
+           "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
+           "-o", "json"]  # fmt: skip
+    if threads is not None:
+        cmd += ["-t", str(threads)]
+    return cmd
+
+
+def parse_bench_json(text: str, kv_type: str) -> list[BenchRow]:
+    """llama-bench's `-o json` output (a list of tests) as rows; combined pp+tg tests (-pg) are not read."""
+    rows = []
+    for t in json.loads(text):
+        n_prompt, n_gen = int(t["n_prompt"]), int(t["n_gen"])
+        if n_prompt > 0 and n_gen == 0:
+            test, n = "pp", n_prompt
+        elif n_gen > 0 and n_prompt == 0:
+            test, n = "tg", n_gen
+        else:
+            continue
+        rows.append(BenchRow(kv_type, test, n, int(t.get("n_depth", 0)), float(t["avg_ts"]), float(t["stddev_ts"])))
+    return rows
+
+
+def bench(
+    model: Path | str,
+    kv_types: Sequence[str],
+    *,
+    depths: Sequence[int] = (0, 512, 2048),
+    n_prompt: int = 512,
+    n_gen: int = 64,
+    threads: int | None = None,
+    reps: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Run llama-bench once per cache type; rows in the order of kv_types, then as llama-bench reports them."""
+    from .info import require_ott_support
+
+    types = [resolve_kv_type(t) for t in kv_types]
+    if not Path(model).is_file():
+        raise FileNotFoundError(f"model file not found: {model}")
+    if any(d < 0 for d in depths) or n_prompt < 0 or n_gen < 0 or reps < 1 or not (n_prompt or n_gen):
+        raise ValueError("depths, -p and -n must be >= 0 (-p or -n above 0) and repetitions >= 1")
+    require_ott_support(model, types)  # llama-bench would only exit with a status
+    rows: list[BenchRow] = []
+    for t in types:
+        cmd = bench_command(model, t, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps)
+        if progress:
+            progress(f"{t}: {' '.join(cmd)}")
+        res = subprocess.run(cmd, env=server_env(t), capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"llama-bench failed for {t} (exit {res.returncode}):\n{res.stderr[-2000:]}")
+        rows += parse_bench_json(res.stdout, t)
+    return rows
+
+
+def plot_bench(rows: Sequence[BenchRow], path: Path | str, bytes_per_token: dict[str, float] | None = None,
+               title: str = "") -> None:  # fmt: skip
+    """Tokens/s against depth, prefill and decode side by side, one line per cache type."""
+    from .evaluate import import_pyplot
+
+    plt = import_pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, test, name in zip(axes, ("pp", "tg"), ("prefill", "decode"), strict=True):
+        sel = [r for r in rows if r.test == test]
+        for t in dict.fromkeys(r.kv_type for r in sel):
+            pts = sorted((r.depth, r.tokens_per_s) for r in sel if r.kv_type == t)
+            label = t if not bytes_per_token or t not in bytes_per_token else f"{t} ({bytes_per_token[t]:.0f} B/token)"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        n = sel[0].n_tokens if sel else 0
+        ax.set_title(f"{name} ({test}{n})", fontsize=10)
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,203 @@
+"""Quality of K/V cache types against the f16 cache on real text: KL divergence, perplexity ratio, top-1 agreement.
+
+`ott-gguf eval MODEL` evaluates the same token chunks with every requested cache type and compares each type's
+logits with those of the f16 cache, position by position. Each chunk starts from an empty cache (as
+llama-perplexity does) and is fed in ubatches of `ubatch` tokens: a token sees the cache as it was stored before
+its ubatch plus its own ubatch. The stock quantized types quantize a ubatch before attending to it, whereas
+ott2/kivi2 keep their recent tokens in fp16 and seal (quantize) a group only once R newer tokens follow it, so
+ubatches as long as the chunk would never let ott2 attend to a sealed group; small ubatches are close to
+generation, where tokens come one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .kv_types import resolve_kv_type
+
+__all__ = ["EvalRow", "evaluate", "eval_logits", "kl_divergence", "log_softmax", "plot_eval", "text_chunks"]
+
+REFERENCE = "f16"
+DEFAULT_KV_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of (n_tokens, n_vocab) logits, in float64."""
+    a = np.asarray(logits, np.float64)
+    la = a - a.max(axis=1, keepdims=True)
+    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
+    return la
+
+
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64."""
+    la = log_softmax(ref_logits)
+    lb = log_softmax(logits)
+    return (np.exp(la) * (la - lb)).sum(axis=1)
+
+
+def eval_logits(model: Path | str, kv_type: str, tokens: list[int], n_ctx: int = 2048, ubatch: int = 512,
+                **kw: object) -> np.ndarray:  # fmt: skip
+    """Logits of every position of `tokens`, evaluated from an empty cache of the given type in ubatches."""
+    from .llama import Llama
+
+    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=ubatch, n_ubatch=ubatch, logits_all=True,
+                verbose=False, **kw)  # fmt: skip
+    try:
+        llm.eval(tokens)
+        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def text_chunks(model: Path | str, text: str, n_ctx: int, chunks: int) -> list[list[int]]:
+    """Up to `chunks` consecutive slices of n_ctx tokens of `text`, each led by BOS when the model adds one.
+
+    Only whole slices are used, except that a text shorter than one slice gives that one shorter slice."""
+    from .info import captured_log
+    from .llama import Llama
+
+    if n_ctx < 2 or chunks < 1:
+        raise ValueError(f"need n_ctx >= 2 and chunks >= 1, got n_ctx={n_ctx}, chunks={chunks}")
+    with captured_log():  # a vocab-only context warns that it has no training context; nothing to report
+        vocab = Llama(str(model), vocab_only=True, verbose=False)
+    try:
+        bos = vocab.tokenize(b"", add_bos=True)  # [] for models that add no BOS (SmolLM2)
+        toks = vocab.tokenize(text.encode(), add_bos=False)
+    finally:
+        vocab.close()
+    body = n_ctx - len(bos)
+    out = [bos + toks[i : i + body] for i in range(0, len(toks) - body + 1, body)][:chunks]
+    if not out and len(bos) + len(toks) >= 2:
+        out = [bos + toks]
+    if not out:
+        raise ValueError("the text has fewer than 2 tokens")
+    return out
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One cache type against the f16 cache over all evaluated positions."""
+
+    kv_type: str
+    chunks: int
+    n_tokens: int  # positions compared (KLD, top-1); perplexity scores the n_tokens - chunks next tokens
+    mean_kld: float  # mean KL(p_f16 || p_type) per position, nats
+    max_kld: float
+    ppl: float  # perplexity of the text under this type's logits
+    ppl_ratio: float  # ppl / ppl of f16
+    top1: float  # fraction of positions whose argmax equals f16's
+
+
+@dataclass
+class _Acc:
+    kld: list[np.ndarray]
+    nll: list[np.ndarray]
+    same: int = 0
+    n: int = 0
+
+
+def _nll(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """Negative log-likelihood of each next token (position i predicts token i + 1)."""
+    lp = log_softmax(logits[:-1])
+    return -lp[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
+
+
+def evaluate(
+    model: Path | str,
+    kv_types: Sequence[str] = DEFAULT_KV_TYPES,
+    *,
+    text: str | None = None,
+    n_ctx: int = 512,
+    chunks: int = 4,
+    ubatch: int = 16,
+    n_threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[EvalRow]:
+    """Compare each cache type's logits with the f16 cache's on the same chunks of `text`.
+
+    text defaults to the pinned llama.cpp docs (ott_gguf.corpus). f16 is evaluated once as the reference; an f16
+    row, when asked for, is a second, independent f16 run (so its zero KLD shows the evaluation is deterministic).
+    One context at a time is alive, with one chunk's reference logits: memory stays at one chunk's worth.
+    """
+    from .info import require_ott_support
+
+    types = [resolve_kv_type(t) for t in kv_types]
+    if not types:
+        raise ValueError("no K/V cache types to evaluate")
+    if ubatch < 1:
+        raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+    if not Path(model).is_file():
+        raise FileNotFoundError(f"model file not found: {model}")
+    require_ott_support(model, types)  # before the reference run, not after it
+    if text is None:
+        from .corpus import docs_text
+
+        # ~4 bytes per token in English/Markdown: twice that leaves room; the cut is at a character boundary
+        text = docs_text(max(8 * n_ctx * chunks, 4096))
+    token_chunks = text_chunks(model, text, n_ctx, chunks)
+    kw: dict[str, object] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
+    acc = {t: _Acc([], []) for t in types}
+    ref_nll: list[np.ndarray] = []
+    for ci, toks in enumerate(token_chunks):
+        if progress:
+            progress(f"chunk {ci + 1}/{len(token_chunks)} ({len(toks)} tokens): {REFERENCE} reference")
+        ref = eval_logits(model, REFERENCE, toks, n_ctx=n_ctx, ubatch=ubatch, **kw)
+        ref_top = ref.argmax(axis=1)
+        ref_nll.append(_nll(ref, toks))
+        for t in types:
+            if progress:
+                progress(f"chunk {ci + 1}/{len(token_chunks)}: {t}")
+            got = eval_logits(model, t, toks, n_ctx=n_ctx, ubatch=ubatch, **kw)
+            a = acc[t]
+            a.kld.append(kl_divergence(ref, got))
+            a.nll.append(_nll(got, toks))
+            a.same += int((got.argmax(axis=1) == ref_top).sum())
+            a.n += len(toks)
+    ref_ppl = float(np.exp(np.concatenate(ref_nll).mean()))
+    rows = []
+    for t in types:
+        a = acc[t]
+        kld = np.concatenate(a.kld)
+        ppl = float(np.exp(np.concatenate(a.nll).mean()))
+        rows.append(
+            EvalRow(t, len(token_chunks), a.n, float(kld.mean()), float(kld.max()), ppl, ppl / ref_ppl, a.same / a.n)
+        )
+    return rows
+
+
+def plot_eval(rows: Sequence[EvalRow], path: Path | str, title: str = "") -> None:
+    """A bar chart per measure (mean KLD, perplexity ratio, top-1 agreement), one bar per cache type."""
+    plt = import_pyplot()
+    names = [r.kv_type for r in rows]
+    panels = [
+        ("mean KLD vs f16 (nats)", [r.mean_kld for r in rows]),
+        ("perplexity / f16's", [r.ppl_ratio for r in rows]),
+        ("top-1 same as f16 (%)", [100 * r.top1 for r in rows]),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (label, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(names, values, color="tab:blue")
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelrotation=30)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def import_pyplot():  # -> module
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install 'ott-gguf[report]'") from e
+    return plt

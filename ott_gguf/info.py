@@ -1,0 +1,203 @@
+"""What a GGUF model's K/V cache costs per cache type, measured from what llama.cpp allocates.
+
+`ott-gguf info MODEL` prints the attention shape from the GGUF metadata, whether the ott2 cache supports the
+model, and per K/V type the bytes per token and fixed bytes of the cache and the longest context that fits a
+memory budget.
+
+The bytes come from the caches themselves: a context is created at two sizes and the allocation each cache
+logs (llama.cpp's "llama_kv_cache: size = ..." and the ott2 cache's "ott2 cache size = ...", in MiB to two
+decimals) gives a line: slope = bytes per token, intercept = fixed part (ott2's fp16 tail ring and outlier
+pools). The C API has no call that returns these sizes, so the log is the source. For the stock types the
+closed form from ggml's type sizes is printed beside the measurement as a check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _lib
+from .kv_types import OTT_KV_TYPES, resolve_kv_type
+
+__all__ = [
+    "INFO_KV_TYPES",
+    "KvBytes",
+    "ModelInfo",
+    "captured_log",
+    "formula_bytes_per_token",
+    "measure_kv_bytes",
+    "model_info",
+    "require_ott_support",
+]
+
+INFO_KV_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
+MEASURE_CTX: tuple[int, int] = (2048, 8192)  # multiples of ott2's group (128): its allocation is linear there
+CTX_STEP = 256  # the longest context is rounded down to this (a multiple of ott2's group of 128)
+MIB = 1 << 20
+
+_STOCK_SIZE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
+_OTT_SIZE = re.compile(
+    r"ott2 cache size =\s*([0-9.]+) MiB: quantized\s*([0-9.]+) MiB, fp16 tail\s*([0-9.]+) MiB, pools\s*([0-9.]+) MiB"
+)
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Collect llama.cpp/ggml log text (instead of printing it) while the block runs; restore the logger after."""
+    lc = _lib.llama_cpp_module().llama_cpp
+    lines: list[str] = []
+
+    @lc.llama_log_callback
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", errors="replace"))
+
+    old_cb = lc.llama_log_callback()
+    old_ud = ctypes.c_void_p()
+    lc.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_ud))
+    lc.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        lc.llama_log_set(old_cb, old_ud)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    architecture: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int | None  # None when the GGUF gives a per-layer array
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int | None
+    sliding_window: int | None
+    ott2_problem: str  # "" when the ott2 cache supports the model
+
+
+def _int(meta: dict[str, str], key: str) -> int | None:
+    try:
+        return int(meta[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def model_info(path: str | Path) -> ModelInfo:
+    """The attention shape from the GGUF metadata (a vocab-only load: no weights, no cache)."""
+    from .llama import Llama
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    with captured_log():
+        problem = _lib.ott_model_problem(str(path))  # raises ValueError on a file llama.cpp cannot load
+        llm = Llama(str(path), vocab_only=True, verbose=False)
+        meta = dict(llm.metadata)
+        llm.close()
+    arch = meta.get("general.architecture", "?")
+    n_layer = _int(meta, f"{arch}.block_count") or 0
+    n_head = _int(meta, f"{arch}.attention.head_count") or 0
+    n_embd = _int(meta, f"{arch}.embedding_length") or 0
+    dk = _int(meta, f"{arch}.attention.key_length") or (n_embd // n_head if n_head else 0)
+    dv = _int(meta, f"{arch}.attention.value_length") or dk
+    kv_key = f"{arch}.attention.head_count_kv"
+    return ModelInfo(
+        path=path,
+        architecture=arch,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=_int(meta, kv_key) if kv_key in meta else n_head,  # absent: llama.cpp's default, n_head
+        head_dim_k=dk,
+        head_dim_v=dv,
+        n_ctx_train=_int(meta, f"{arch}.context_length"),
+        sliding_window=_int(meta, f"{arch}.attention.sliding_window"),
+        ott2_problem=problem,
+    )
+
+
+def require_ott_support(path: str | Path, kv_types: Sequence[str]) -> None:
+    """Raise ValueError naming the reason when ott2/kivi2 is among kv_types and cannot serve the model."""
+    ott = [t for t in kv_types if resolve_kv_type(t) in OTT_KV_TYPES]
+    if ott:
+        problem = _lib.ott_model_problem(str(path))
+        if problem:
+            raise ValueError(f"{'/'.join(ott)} cannot be used with {Path(path).name}: {problem}")
+
+
+@dataclass(frozen=True)
+class KvBytes:
+    """One cache type's allocation as a line in the context length: fixed + per_token * n_ctx bytes."""
+
+    kv_type: str
+    per_token: float
+    fixed: float
+    measured: tuple[tuple[int, float], ...]  # (n_ctx, bytes) as the cache logged them
+    parts: dict[str, float]  # ott2: bytes of quantized / fp16 tail / pools at the larger n_ctx
+
+    def at(self, n_ctx: int) -> float:
+        return self.fixed + self.per_token * n_ctx
+
+    def longest_context(self, budget_bytes: float) -> int:
+        """The longest n_ctx (a multiple of CTX_STEP) whose cache fits budget_bytes; 0 when none does."""
+        if self.per_token <= 0 or budget_bytes < self.fixed:
+            return 0
+        return int((budget_bytes - self.fixed) / self.per_token) // CTX_STEP * CTX_STEP
+
+
+def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[str, float]]:
+    from .llama import Llama
+
+    with captured_log() as lines:
+        # small batches: the compute buffers are not what is measured and need not be large
+        llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, verbose=False)
+        llm.close()
+    text = "".join(lines)
+    if kv_type in OTT_KV_TYPES:
+        m = _OTT_SIZE.search(text)
+        if not m:
+            raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
+        total, quant, tail, pools = (float(x) * MIB for x in m.groups())
+        return total, {"quantized": quant, "fp16 tail": tail, "pools": pools}
+    # an interleaved sliding-window model has two caches (full and SWA layers): each logs its size
+    sizes = [float(x) * MIB for x in _STOCK_SIZE.findall(text)]
+    if not sizes:
+        raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
+    return sum(sizes), {}
+
+
+def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
+                     n_ctx: tuple[int, int] = MEASURE_CTX) -> list[KvBytes]:  # fmt: skip
+    """Bytes per token and fixed bytes of each type's cache, from contexts created at the two sizes n_ctx."""
+    path = Path(path)
+    small, large = n_ctx
+    if not 0 < small < large:
+        raise ValueError(f"need two increasing context sizes, got {n_ctx}")
+    out = []
+    for t in (resolve_kv_type(t) for t in kv_types):
+        b_small, _ = _allocated_bytes(path, t, small)
+        b_large, parts = _allocated_bytes(path, t, large)
+        slope = (b_large - b_small) / (large - small)
+        out.append(KvBytes(t, slope, b_small - slope * small, ((small, b_small), (large, b_large)), parts))
+    return out
+
+
+def ggml_type_size(kv_type: str) -> float:
+    """Bytes per element of a stock ggml type: bytes per block / elements per block."""
+    lib = _lib.llama_cpp_module().llama_cpp._lib
+    tid = _lib.ggml_type_ids()[resolve_kv_type(kv_type)]
+    size, blck = lib.ggml_type_size, lib.ggml_blck_size
+    size.restype, size.argtypes = ctypes.c_size_t, [ctypes.c_int]
+    blck.restype, blck.argtypes = ctypes.c_int64, [ctypes.c_int]
+    return size(tid) / blck(tid)
+
+
+def formula_bytes_per_token(info: ModelInfo, kv_type: str) -> float | None:
+    """n_layer x n_head_kv x (head_dim_k + head_dim_v) x bytes per element; None for ott2/kivi2 and
+    per-layer head counts. Assumes every layer caches every token (llama-cpp-python's full-size SWA cache)."""
+    if resolve_kv_type(kv_type) in OTT_KV_TYPES or info.n_head_kv is None:
+        return None
+    return info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v) * ggml_type_size(kv_type)

@@ -1,0 +1,197 @@
+"""`ott-gguf info`, `eval` and `bench` on the real models: what they print and how it hangs together."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ott_gguf import _lib, build_info, info
+from ott_gguf import evaluate as evaluate_mod
+from ott_gguf import reference as ref
+from ott_gguf.cli import main
+from ott_gguf.kv_types import KV_TYPES
+
+MIB = 1 << 20
+# one thread: on this 2-core machine, shared with other work, llama.cpp's two spinning threads slow down badly
+THREADS = "1"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int | str | None, str, str]:
+    """main(argv) in-process: (exit code or SystemExit's message, stdout, stderr)."""
+    try:
+        code: int | str | None = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The printed table (header line starting with kv_type, columns 2+ spaces apart): kv_type -> column -> cell."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("kv_type "))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 1 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if not line.strip() or cells[0] not in KV_TYPES:
+            break
+        rows[cells[0]] = dict(zip(header, cells, strict=False))
+    return rows
+
+
+def png_written(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+# --- info ------------------------------------------------------------------------------------------------------
+
+
+def test_info_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    budget_mib, n_ctx = 512, 4096
+    code, out, err = run_cli(capsys, "info", smollm2, "--budget-mib", budget_mib, "--n-ctx", n_ctx)
+    assert code == 0, err
+    assert "architecture: llama" in out
+    assert "ott2: supported" in out
+    rows = table(out)
+    assert list(rows) == ["f16", "q8_0", "q4_0", "kivi2", "ott2"]
+    bpt = {t: float(r["bytes/token"]) for t, r in rows.items()}
+    assert bpt["ott2"] < bpt["q4_0"] < bpt["q8_0"] < bpt["f16"]
+    assert bpt["kivi2"] == bpt["ott2"]  # the same layout: only the outlier slots (fixed part) differ
+    for t in ("f16", "q8_0", "q4_0"):  # the allocation agrees with the shape read from the metadata
+        assert abs(bpt[t] - float(rows[t]["formula"])) <= 2, rows[t]
+
+    longest = {t: int(r[f"max n_ctx in {budget_mib} MiB"]) for t, r in rows.items()}
+    assert longest["ott2"] > longest["q4_0"] > longest["q8_0"] > longest["f16"] > 0
+    budget = budget_mib * MIB
+    for t, r in rows.items():
+        fixed = float(r["fixed MiB"]) * MIB
+        # the printed numbers are rounded (bytes/token to 1 B, MiB to 0.01): allow for that
+        slack = 0.5 * (longest[t] + 256) + 0.005 * MIB
+        assert fixed + bpt[t] * longest[t] <= budget + slack, r  # it fits ...
+        assert fixed + bpt[t] * (longest[t] + 256) > budget - slack, r  # ... and 256 more tokens would not
+        assert abs(float(r[f"MiB @ {n_ctx}"]) * MIB - (fixed + bpt[t] * n_ctx)) <= 0.5 * n_ctx + 0.01 * MIB, r
+
+
+def test_kv_bytes_agree_with_the_layouts(smollm2: Path) -> None:
+    """The measured slopes equal the stock types' closed form and the ott2 memory model of the numpy reference;
+    the fixed part of ott2 is its fp16 ring and pools, larger than kivi2's by the outlier slots."""
+    mi = info.model_info(smollm2)
+    kb = {k.kv_type: k for k in info.measure_kv_bytes(smollm2, ("f16", "q4_0", "kivi2", "ott2"))}
+    for t in ("f16", "q4_0"):
+        formula = info.formula_bytes_per_token(mi, t)
+        assert formula is not None and abs(kb[t].per_token - formula) <= 2, (t, kb[t].per_token, formula)
+        assert abs(kb[t].fixed) <= 0.01 * MIB
+
+    assert mi.head_dim_k == mi.head_dim_v and mi.n_head_kv is not None
+    cfg = ref.OttConfig(Gv=int(build_info()["ott2_group"]))  # the defaults the cache is created with
+    small, large = info.MEASURE_CTX
+
+    def model_bytes(n: int) -> float:
+        per_head = sum(sum(ref.memory_bits(cfg, mi.head_dim_k, n, layer).values()) for layer in range(mi.n_layer))
+        return per_head * mi.n_head_kv / 8
+
+    spec_slope = (model_bytes(large) - model_bytes(small)) / (large - small)
+    assert abs(kb["ott2"].per_token - spec_slope) <= 2, (kb["ott2"].per_token, spec_slope)
+    ott2 = kb["ott2"]
+    assert abs(ott2.parts["quantized"] - ott2.per_token * large) <= 0.02 * MIB  # sealed capacity: all n_ctx
+    assert abs(ott2.parts["fp16 tail"] + ott2.parts["pools"] - ott2.fixed) <= 0.02 * MIB
+    assert kb["kivi2"].parts["pools"] < ott2.parts["pools"]
+    assert kb["kivi2"].fixed < ott2.fixed
+
+
+def test_info_on_gemma3_reports_what_the_build_says(gemma3: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    problem = _lib.ott_model_problem(str(gemma3))
+    code, out, err = run_cli(capsys, "info", gemma3)
+    assert code == 0, err
+    assert "architecture: gemma3" in out
+    rows = table(out)
+    assert abs(float(rows["f16"]["bytes/token"]) - float(rows["f16"]["formula"])) <= 2
+    if problem:
+        assert f"ott2: not supported: {problem}" in out
+        assert rows["ott2"]["max n_ctx in 1024 MiB"] == "not supported"
+    else:
+        assert "ott2: supported" in out
+        assert float(rows["ott2"]["bytes/token"]) < float(rows["f16"]["bytes/token"])
+
+
+# --- eval ------------------------------------------------------------------------------------------------------
+
+
+def test_eval_against_f16(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    seen: list[evaluate_mod.EvalRow] = []
+    real = evaluate_mod.evaluate
+
+    def spy(*args: object, **kwargs: object) -> list[evaluate_mod.EvalRow]:
+        seen.extend(real(*args, **kwargs))  # type: ignore[arg-type]
+        return list(seen)
+
+    monkeypatch.setattr(evaluate_mod, "evaluate", spy)  # the exact numbers behind the printed table
+    png = tmp_path / "eval.png"
+    code, out, err = run_cli(capsys, "eval", smollm2, "--n-ctx", 256, "--chunks", 1, "--threads", THREADS,
+                             "--kv-types", "f16,q8_0,kivi2,ott2", "--plot", png)  # fmt: skip
+    assert code == 0, err
+    rows = {r.kv_type: r for r in seen}
+    assert list(rows) == ["f16", "q8_0", "kivi2", "ott2"]
+    assert all(r.n_tokens == 256 and r.chunks == 1 for r in seen)
+    f16 = rows["f16"]  # a second f16 run against the reference run: the evaluation is deterministic
+    assert f16.mean_kld == 0.0 and f16.max_kld == 0.0 and f16.top1 == 1.0 and f16.ppl_ratio == 1.0
+    assert 0 < rows["q8_0"].mean_kld < rows["ott2"].mean_kld < rows["kivi2"].mean_kld
+    assert rows["ott2"].top1 < 1.0
+
+    printed = table(out)
+    assert printed["f16"]["mean KLD"] == "0" and printed["f16"]["top-1 = f16"] == "100.0%"
+    for t, r in rows.items():
+        assert float(printed[t]["mean KLD"]) == pytest.approx(r.mean_kld, rel=1e-3)
+        assert float(printed[t]["PPL / f16"]) == pytest.approx(r.ppl_ratio, abs=1e-4)
+    assert png_written(png)
+
+
+# --- bench -----------------------------------------------------------------------------------------------------
+
+
+def test_bench_speeds_per_type_and_depth(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "bench.png"
+    kv_types = ["f16", "kivi2", "ott2"]
+    code, out, err = run_cli(capsys, "bench", smollm2, "-p", 64, "-n", 8, "--depths", "0,256", "-r", 1,
+                             "--threads", THREADS, "--kv-types", ",".join(kv_types), "--plot", png)  # fmt: skip
+    assert code == 0, err
+    rows = table(out)
+    assert list(rows) == kv_types
+    columns = ["pp64 @ 0", "tg8 @ 0", "pp64 @ 256", "tg8 @ 256"]
+    for t in kv_types:
+        assert all(float(rows[t][c]) > 0 for c in columns), rows[t]
+    assert float(rows["ott2"]["KV B/token"]) < float(rows["f16"]["KV B/token"])
+    assert png_written(png)
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_unknown_kv_type_is_refused_listing_the_valid_ones(command: str, smollm2: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    code, out, err = run_cli(capsys, command, smollm2, "--kv-types", "f16,q9")
+    assert code == 2
+    assert "unknown kv_type 'q9'" in err
+    assert all(t in err for t in KV_TYPES)
+
+
+@pytest.mark.parametrize("command", ["info", "eval", "bench"])
+def test_missing_or_unreadable_model_is_named(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.gguf"
+    code, _, _ = run_cli(capsys, command, missing)
+    assert isinstance(code, str) and "no such model file" in code and str(missing) in code
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a GGUF file" * 100)
+    code, _, err = run_cli(capsys, command, junk)
+    assert code == 2 and "load" in err and str(junk) in err
+
+
+def test_eval_missing_text_file_is_named(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "eval", smollm2, "--text", tmp_path / "none.txt")
+    assert code == 2 and "none.txt" in err
