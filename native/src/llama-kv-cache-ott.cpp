@@ -684,9 +684,15 @@ void llm_graph_input_attn_kv_ott::set_input(const llama_ubatch * ubatch) {
     }
 }
 
+// The ops take everything that changes between ubatches (positions, sealed counts, which streams) from the plan
+// input, so a graph built for the same shape (tokens per stream, number of streams) serves again.
 bool llm_graph_input_attn_kv_ott::can_reuse(const llm_graph_params & params) {
-    GGML_UNUSED(params);
-    return false; // the ops read the plan through this input only; rebuilding is cheap next to attention
+    const auto * m = dynamic_cast<const llama_kv_cache_ott_context *>(params.mctx);
+    if (!m || m->get_kv() != mctx_ott->get_kv()) {
+        return false;
+    }
+    mctx_ott = m;
+    return ub_plan->ne[1] == (int64_t) m->get_plan().size() && params.ubatch.n_tokens == n_tokens;
 }
 
 std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ctx0, const llama_ubatch & ubatch,
@@ -696,6 +702,7 @@ std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ct
     if (ns == 0) {
         ns = std::max<int64_t>(1, ubatch.n_seqs_unq); // graph reservation
     }
+    inp->n_tokens = ubatch.n_tokens;
     inp->ub_plan = ggml_new_tensor_2d(ctx0, GGML_TYPE_I32, 4, ns);
     ggml_set_input(inp->ub_plan);
     return inp;

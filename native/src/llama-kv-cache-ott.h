@@ -78,6 +78,7 @@ public:
     bool can_reuse(const llm_graph_params & params) override;
 
     ggml_tensor * ub_plan = nullptr; // I32 [4, ns]
+    uint32_t n_tokens = 0;           // of the ubatch the graph was built for
     const llama_kv_cache_ott_context * mctx_ott;
 };
 
