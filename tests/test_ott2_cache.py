@@ -228,3 +228,24 @@ def test_sequence_state_moves_to_another_context(smollm2: Path, doc_tokens: list
     r16 = Llama(str(smollm2), kv_type="ott2", ott_config=OttConfig(R=16), n_ctx=1024, verbose=False)
     assert lc.llama_state_seq_set_data(r16._ctx.ctx, buf, n, 0) == 0
     assert r16.kv_cache_info()["positions"] == 0
+
+
+def test_decode_reuses_graphs_with_the_same_tokens(smollm2: Path, doc_tokens: list[int],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Decoding reuses the compute graph (the ott2 ops read positions and sealed counts from the plan input),
+    across a seal, and gives the tokens of a run that rebuilds every graph."""
+    lc = _lib.llama_cpp_module().llama_cpp
+
+    def run() -> tuple[list[int], int]:
+        llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+        llm.eval(doc_tokens[:240])
+        out = greedy(llm, doc_tokens[240], 60)  # group 1 is sealed at 288 positions
+        assert llm.kv_cache_info()["sealed"] == 256
+        return out, lc.llama_perf_context(llm._ctx.ctx).n_reused
+
+    reused, n_reused = run()
+    assert n_reused >= 50
+    monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
+    rebuilt, n_rebuilt = run()
+    assert n_rebuilt == 0
+    assert reused == rebuilt
