@@ -758,9 +758,11 @@ void ott_attn_part_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t NS1 = dst->ne[3] / v.ns; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
     const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
-    std::vector<float> scratch((size_t) 2*G*D + 16), qb, acc, M, L;
-    std::vector<int32_t> qpos, cj;
-    std::vector<uint16_t> ck, cv, tk, tv;
+    // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
+    thread_local std::vector<float> scratch, qb, acc, M, L;
+    thread_local std::vector<int32_t> qpos, cj;
+    thread_local std::vector<uint16_t> ck, cv, tk, tv;
+    scratch.resize((size_t) 2*G*D + 16);
     for (int64_t u = ith; u < v.ns*p.H*NS1*n_tc; u += nth) {
         const int64_t tc = u % n_tc;
         const int64_t k  = (u / n_tc) % NS1;
