@@ -97,9 +97,38 @@ def test_truncating_inside_a_group_continues_coherently(smollm2: Path, doc_token
     assert kld < UNSEAL_MEAN_KLD_BOUND, kld
 
 
-def test_unsupported_model_is_named(gemma3: Path) -> None:
-    with pytest.raises(ValueError, match="gemma3 architecture has sliding-window"):
-        Llama(str(gemma3), kv_type="ott2")
+# Gemma 3 270M (3 full-attention layers with ott2, 15 window layers in f16), 1536 tokens of the docs in 512-token
+# ubatches: mean KLD vs f16 measured 0.029 for ott2, 0.078 for kivi2 (q4_0 0.144, q8_0 0.0098, both of which
+# quantize every layer).
+GEMMA_OTT2_MEAN_KLD_BOUND = 0.05
+
+
+def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
+    """A sliding-window model: ott2 serves the full-attention layers, an f16 cache the window layers; quality
+    vs f16 is bounded and ott2 stays clearly better than kivi2."""
+    llm = Llama(str(gemma3), kv_type="f16", n_ctx=256, verbose=False)
+    toks = llm.tokenize(docs_text(40_000).encode())[:1536]
+    llm.close()
+    f16 = eval_logits(gemma3, "f16", toks)
+    ott2 = kl_divergence(f16, eval_logits(gemma3, "ott2", toks)).mean()
+    kivi2 = kl_divergence(f16, eval_logits(gemma3, "kivi2", toks)).mean()
+    print(f"gemma3 mean KLD vs f16: ott2 {ott2:.4f}, kivi2 {kivi2:.4f}")
+    assert ott2 < GEMMA_OTT2_MEAN_KLD_BOUND
+    assert ott2 < 0.6 * kivi2
+    llm = Llama(str(gemma3), kv_type="ott2", n_ctx=2048, verbose=False)
+    llm.eval(toks[:600])
+    assert llm.kv_cache_info()["sealed"] == 512  # positions of the full-attention layers' ott2 cache
+
+
+def test_gemma3_server_slots_need_separate_streams(gemma3: Path, tmp_path: Path) -> None:
+    """Several sequences of a sliding-window model with a unified cache are refused with the fix named."""
+    import subprocess
+
+    cmd = [str(_lib.bin_path("llama-server")), "-m", str(gemma3), "-ctk", "ott2", "-ctv", "ott2", "-np", "2",
+           "--kv-unified", "-c", "2048", "--port", "0"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--no-kv-unified" in out.stderr
 
 
 def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:

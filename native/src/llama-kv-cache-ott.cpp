@@ -1,5 +1,6 @@
 // The ott2 KV cache: see llama-kv-cache-ott.h and docs/design-ott2-cache.md.
 #include "llama-kv-cache-ott.h"
+#include "llama-kv-cache.h"
 
 #include "llama-arch.h"
 #include "llama-cparams.h"
@@ -72,11 +73,15 @@ struct ott_stream {
 
 class llama_kv_cache_ott : public llama_memory_i {
 public:
+    // filter: the layers this cache serves (all when empty)
     llama_kv_cache_ott(const llama_model & model, const llama_hparams & hparams, const llama_cparams & cparams,
-                       const llama_ott_params & p);
+                       const llama_ott_params & p, const layer_filter_cb & filter = nullptr);
     ~llama_kv_cache_ott() override;
 
     llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    // splits the batch into ubatches with their per-stream plans; false (error logged) when it cannot be served
+    bool plan_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, std::vector<llama_ubatch> & ubatches,
+                    std::vector<std::vector<llama_ott_stream_plan>> & plans) const;
     llama_memory_context_ptr init_full() override;
     llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
     bool get_can_shift() const override { return false; }
@@ -121,10 +126,41 @@ private:
     size_t bytes_quant = 0, bytes_tail = 0, bytes_pool = 0;
 };
 
+// Sliding-window models: the ott2 cache serves the full-attention layers; a stock f16 llama_kv_cache holds the
+// window layers (as llama_kv_cache_iswa would, window + ubatch cells). Both see the same ubatches.
+class llama_kv_cache_ott_iswa : public llama_memory_i {
+public:
+    llama_kv_cache_ott_iswa(const llama_model & model, const llama_hparams & hparams, const llama_cparams & cparams,
+                            const llama_ott_params & p);
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+    bool get_can_shift() const override { return false; }
+
+    void clear(bool data) override;
+    bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id) override;
+    void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) override;
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    std::unique_ptr<llama_kv_cache_ott> kv_ott;
+    std::unique_ptr<llama_kv_cache> kv_swa;
+};
+
 // ------------------------------------------------------------------------------------------- construction
 
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hparams & hparams,
-                                       const llama_cparams & cparams, const llama_ott_params & p) :
+                                       const llama_cparams & cparams, const llama_ott_params & p,
+                                       const layer_filter_cb & filter) :
     p(p), n_stream(cparams.n_seq_max),
     // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
     n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
@@ -144,6 +180,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
     }
     layer_ids.assign(n_layer, -1);
     for (uint32_t il = 0; il < n_layer; ++il) {
+        if (filter && !filter((int32_t) il)) {
+            continue;
+        }
         const uint32_t D = hparams.n_embd_head_k(il);
         const uint32_t H = hparams.n_head_kv(il);
         ott_layer L;
@@ -181,8 +220,8 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
         reset_stream_meta(s);
     }
     GGML_UNUSED(model);
-    LLAMA_LOG_INFO("%s: ott2 cache: %u seqs x %u ctx, G=%u R=%u Gv=%u outliers=%u aux=%u (first %u layers none), "
-                   "kernels %s\n", __func__, n_stream, n_ctx_seq, G, p.R, Gv, p.outlier_num, p.aux_cap,
+    LLAMA_LOG_INFO("%s: ott2 cache: %zu layers, %u seqs x %u ctx, G=%u R=%u Gv=%u outliers=%u aux=%u (first %u layers none), "
+                   "kernels %s\n", __func__, layers.size(), n_stream, n_ctx_seq, G, p.R, Gv, p.outlier_num, p.aux_cap,
                    p.no_outlier_layers, ott2_head_isa());
     LLAMA_LOG_INFO("%s: ott2 cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
                    __func__, ggml_backend_buffer_get_size(buf)/1048576.0, bytes_quant/1048576.0,
@@ -215,9 +254,12 @@ static std::string ott_model_problem(const llama_model & model, const llama_hpar
     if (hparams.is_mla()) {
         return "the " + arch + " architecture uses MLA (compressed latent K/V), which the ott2 cache does not support";
     }
-    if (hparams.is_swa_any()) {
-        return "the " + arch + " architecture has sliding-window attention layers, which the ott2 cache does not "
-               "support yet";
+    if (hparams.is_swa_any() && hparams.swa_type != LLAMA_SWA_TYPE_STANDARD) {
+        return "the " + arch + " architecture uses a non-standard sliding window, which the ott2 cache does not "
+               "support";
+    }
+    if (hparams.attn_soft_cap) {
+        return "the " + arch + " architecture soft-caps attention scores, which the ott2 attention does not do";
     }
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         const uint32_t D = hparams.n_embd_head_k(il);
@@ -256,18 +298,23 @@ llama_memory_i * llama_kv_cache_ott_create(const llama_model & model, const llam
         throw std::runtime_error("ott2: outlier_num must be below min(G, 65)");
     }
     if (cparams.kv_unified && cparams.n_seq_max > 1) {
+        if (hparams.is_swa_any()) {
+            throw std::runtime_error("ott2: several sequences of a sliding-window model need separate K/V streams: "
+                                     "turn the unified KV cache off (llama-server --no-kv-unified, kv_unified=false)");
+        }
         LLAMA_LOG_INFO("%s: ott2 keeps one stream per sequence: the unified KV cache is not used\n", __func__);
+    }
+    if (hparams.is_swa_any()) {
+        return new llama_kv_cache_ott_iswa(model, hparams, cparams, p);
     }
     return new llama_kv_cache_ott(model, hparams, cparams, p);
 }
 
 // ------------------------------------------------------------------------------------------------ batches
 
-llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
-    GGML_UNUSED(embd_all);
+bool llama_kv_cache_ott::plan_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, std::vector<llama_ubatch> & ubatches,
+                                    std::vector<std::vector<llama_ott_stream_plan>> & plans) const {
     balloc.split_reset();
-    std::vector<llama_ubatch> ubatches;
-    std::vector<std::vector<llama_ott_stream_plan>> plans;
     std::vector<ott_stream> sim = streams;
     while (true) {
         llama_ubatch ub = n_stream == 1 ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, true, 0);
@@ -280,12 +327,12 @@ llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & bal
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             if (ub.n_seq_id[i] != 1) {
                 LLAMA_LOG_ERROR("%s: ott2: a token shared by several sequences is not supported\n", __func__);
-                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                return false;
             }
             const llama_seq_id s = ub.seq_id[i][0];
             if (s < 0 || (uint32_t) s >= n_stream) {
                 LLAMA_LOG_ERROR("%s: ott2: seq_id %d out of range [0, %u)\n", __func__, s, n_stream);
-                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                return false;
             }
             if (plan.empty() || plan.back().stream != s) {
                 plan.push_back({ s, sim[s].n_pos, sim[s].n_sealed, 0 });
@@ -294,13 +341,13 @@ llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & bal
             if (ub.pos[i] != sim[s].n_pos + (llama_pos) run) {
                 LLAMA_LOG_ERROR("%s: ott2: sequence %d continues at position %d, got %d (positions must be consecutive; "
                                 "remove the tail with seq_rm first)\n", __func__, s, sim[s].n_pos + run, ub.pos[i]);
-                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                return false;
             }
             run++;
             if (i + 1 == ub.n_tokens || ub.seq_id[i + 1][0] != s) {
                 if ((uint32_t) sim[s].n_pos + run > n_ctx_seq) {
                     LLAMA_LOG_ERROR("%s: ott2: sequence %d would exceed its context of %u tokens\n", __func__, s, n_ctx_seq);
-                    return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                    return false;
                 }
                 sim[s].n_pos += run;
                 sim[s].n_sealed = sealed_after(sim[s].n_sealed, sim[s].n_pos);
@@ -309,24 +356,31 @@ llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & bal
         }
         if (ub.n_tokens % plan.size() != 0) {
             LLAMA_LOG_ERROR("%s: ott2: unequal sequence runs in a ubatch\n", __func__);
-            return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            return false;
         }
         for (const auto & pl : plan) {
             if (poisoned[pl.stream]) {
                 LLAMA_LOG_ERROR("%s: ott2: sequence %d holds non-finite keys or values (computed by an earlier batch); "
                                 "its cache cannot be quantized: clear the sequence (seq_rm over all positions) and "
                                 "process it again\n", __func__, pl.stream);
-                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                return false;
             }
             if (std::count_if(plan.begin(), plan.end(), [&](const auto & x) { return x.stream == pl.stream; }) != 1) {
                 LLAMA_LOG_ERROR("%s: ott2: a sequence appears twice in one ubatch\n", __func__);
-                return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+                return false;
             }
         }
         ubatches.push_back(std::move(ub)); // NOLINT
         plans.push_back(std::move(plan));
     }
-    if (balloc.get_n_used() < balloc.get_n_tokens()) {
+    return balloc.get_n_used() >= balloc.get_n_tokens();
+}
+
+llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+    std::vector<llama_ubatch> ubatches;
+    std::vector<std::vector<llama_ott_stream_plan>> plans;
+    if (!plan_batch(balloc, n_ubatch, ubatches, plans)) {
         return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }
     return std::make_unique<llama_kv_cache_ott_context>(this, std::move(ubatches), std::move(plans));
@@ -966,6 +1020,199 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     return ggml_reshape_2d(ctx0, out, out->ne[0]*out->ne[1], out->ne[2]);
 }
 
+// ------------------------------------------------------------------------------ sliding-window composite
+
+llama_kv_cache_ott_iswa::llama_kv_cache_ott_iswa(const llama_model & model, const llama_hparams & hparams,
+                                                 const llama_cparams & cparams, const llama_ott_params & p) {
+    kv_ott = std::make_unique<llama_kv_cache_ott>(model, hparams, cparams, p,
+                                                  [&](int32_t il) { return !hparams.is_swa(il); });
+    // the window layers: what llama_kv_cache_iswa gives them (window + one ubatch, padded to 256), in f16
+    const uint32_t n_seq = cparams.n_seq_max;
+    const uint32_t size_swa = GGML_PAD(std::min(cparams.n_ctx_seq,
+                                                hparams.n_swa*(cparams.kv_unified ? n_seq : 1) + cparams.n_ubatch), 256);
+    LLAMA_LOG_INFO("%s: ott2 on the full-attention layers; window layers in an f16 cache of %u cells\n", __func__,
+                   size_swa);
+    kv_swa = std::make_unique<llama_kv_cache>(model, hparams, GGML_TYPE_F16, GGML_TYPE_F16, !cparams.flash_attn,
+                                              cparams.offload_kqv, cparams.kv_unified, size_swa, n_seq, 1,
+                                              hparams.n_swa, hparams.swa_type, nullptr,
+                                              [&](int32_t il) { return hparams.is_swa(il); }, nullptr, nullptr,
+                                              "_swa");
+}
+
+llama_memory_context_ptr llama_kv_cache_ott_iswa::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch,
+                                                             bool embd_all) {
+    GGML_UNUSED(embd_all);
+    std::vector<llama_ubatch> ubatches;
+    std::vector<std::vector<llama_ott_stream_plan>> plans;
+    if (!kv_ott->plan_batch(balloc, n_ubatch, ubatches, plans)) {
+        return std::make_unique<llama_kv_cache_ott_iswa_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+    auto sinfos = kv_swa->prepare(ubatches);
+    if (sinfos.empty()) {
+        LLAMA_LOG_ERROR("%s: ott2: the window layers' f16 cache has no room for the batch\n", __func__);
+        return std::make_unique<llama_kv_cache_ott_iswa_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+    auto ctx_swa = std::make_unique<llama_kv_cache_context>(kv_swa.get(), std::move(sinfos), ubatches);
+    auto ctx_ott = std::make_unique<llama_kv_cache_ott_context>(kv_ott.get(), std::move(ubatches), std::move(plans));
+    return std::make_unique<llama_kv_cache_ott_iswa_context>(std::move(ctx_ott), std::move(ctx_swa));
+}
+
+llama_memory_context_ptr llama_kv_cache_ott_iswa::init_full() {
+    return std::make_unique<llama_kv_cache_ott_iswa_context>(kv_ott->init_full(), kv_swa->init_full());
+}
+
+llama_memory_context_ptr llama_kv_cache_ott_iswa::init_update(llama_context * lctx, bool optimize) {
+    return kv_swa->init_update(lctx, optimize); // only the f16 window cache has anything to update
+}
+
+void llama_kv_cache_ott_iswa::clear(bool data) {
+    kv_ott->clear(data);
+    kv_swa->clear(data);
+}
+
+bool llama_kv_cache_ott_iswa::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    const bool ok_ott = kv_ott->seq_rm(seq_id, p0, p1);
+    const bool ok_swa = kv_swa->seq_rm(seq_id, p0, p1);
+    return ok_ott && ok_swa;
+}
+
+void llama_kv_cache_ott_iswa::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    kv_ott->seq_cp(seq_id_src, seq_id_dst, p0, p1);
+    kv_swa->seq_cp(seq_id_src, seq_id_dst, p0, p1);
+}
+
+void llama_kv_cache_ott_iswa::seq_keep(llama_seq_id seq_id) {
+    kv_ott->seq_keep(seq_id);
+    kv_swa->seq_keep(seq_id);
+}
+
+void llama_kv_cache_ott_iswa::seq_add(llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    kv_ott->seq_add(seq_id, p0, p1, shift);
+}
+
+void llama_kv_cache_ott_iswa::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    kv_ott->seq_div(seq_id, p0, p1, d);
+}
+
+// as llama_kv_cache_iswa: the window cache tells where a sequence can still be cut
+llama_pos llama_kv_cache_ott_iswa::seq_pos_min(llama_seq_id seq_id) const {
+    return kv_swa->seq_pos_min(seq_id);
+}
+
+llama_pos llama_kv_cache_ott_iswa::seq_pos_max(llama_seq_id seq_id) const {
+    return kv_swa->seq_pos_max(seq_id);
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_ott_iswa::memory_breakdown() const {
+    auto mb = kv_ott->memory_breakdown();
+    for (const auto & [buft, size] : kv_swa->memory_breakdown()) {
+        mb[buft] += size;
+    }
+    return mb;
+}
+
+// the ott2 part, then the window part; PARTIAL_ONLY (server checkpoints) keeps only the window part, as
+// llama_kv_cache_iswa does with its base cache
+void llama_kv_cache_ott_iswa::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    if ((flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == 0) {
+        kv_ott->state_write(io, seq_id, flags);
+    }
+    kv_swa->state_write(io, seq_id, flags);
+}
+
+void llama_kv_cache_ott_iswa::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    if ((flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == 0) {
+        kv_ott->state_read(io, seq_id, flags);
+    }
+    kv_swa->state_read(io, seq_id, flags);
+}
+
+llama_kv_cache_ott_iswa_context::llama_kv_cache_ott_iswa_context(llama_memory_status status) : status(status) {}
+
+llama_kv_cache_ott_iswa_context::llama_kv_cache_ott_iswa_context(llama_memory_context_ptr ctx_ott,
+                                                                 llama_memory_context_ptr ctx_swa) :
+    status(llama_memory_status_combine(ctx_ott->get_status(), ctx_swa->get_status())),
+    ctx_ott(std::move(ctx_ott)), ctx_swa(std::move(ctx_swa)) {}
+
+bool llama_kv_cache_ott_iswa_context::next() {
+    ctx_swa->next();
+    return ctx_ott->next();
+}
+
+bool llama_kv_cache_ott_iswa_context::apply() {
+    bool ok = ctx_ott->apply();
+    ok = ctx_swa->apply() && ok;
+    return ok;
+}
+
+const llama_ubatch & llama_kv_cache_ott_iswa_context::get_ubatch() const {
+    return ctx_ott->get_ubatch();
+}
+
+llama_memory_status llama_kv_cache_ott_iswa_context::get_status() const {
+    return status;
+}
+
+const llama_kv_cache_ott_context * llama_kv_cache_ott_iswa_context::get_ott() const {
+    return static_cast<const llama_kv_cache_ott_context *>(ctx_ott.get());
+}
+
+const llama_kv_cache_context * llama_kv_cache_ott_iswa_context::get_swa() const {
+    return static_cast<const llama_kv_cache_context *>(ctx_swa.get());
+}
+
+llm_graph_input_attn_kv_ott_iswa::llm_graph_input_attn_kv_ott_iswa(const llama_hparams & hparams,
+        const llama_cparams & cparams, const llama_kv_cache_ott_iswa_context * mctx_oi) :
+    llm_graph_input_attn_kv_iswa(hparams, cparams, nullptr), ott(hparams, cparams, mctx_oi->get_ott()),
+    mctx_oi(mctx_oi) {}
+
+void llm_graph_input_attn_kv_ott_iswa::set_input(const llama_ubatch * ubatch) {
+    const llama_kv_cache_context * swa = mctx_oi->get_swa();
+    if (self_k_idxs_swa && self_k_idxs_swa->buffer) {
+        swa->set_input_k_idxs(self_k_idxs_swa, ubatch);
+        swa->set_input_v_idxs(self_v_idxs_swa, ubatch);
+    }
+    if (self_kq_mask_swa && self_kq_mask_swa->buffer) {
+        swa->set_input_kq_mask(self_kq_mask_swa, ubatch, cparams.causal_attn);
+    }
+    ott.set_input(ubatch);
+}
+
+bool llm_graph_input_attn_kv_ott_iswa::can_reuse(const llm_graph_params & params) {
+    GGML_UNUSED(params);
+    return false; // the window cache's mask changes shape as it fills: rebuilt each time
+}
+
+std::unique_ptr<llm_graph_input_attn_kv_iswa> llama_ott_build_input_iswa(ggml_context * ctx0,
+        const llama_ubatch & ubatch, const llama_hparams & hparams, const llama_cparams & cparams,
+        const llama_kv_cache_ott_iswa_context * mctx) {
+    auto inp = std::make_unique<llm_graph_input_attn_kv_ott_iswa>(hparams, cparams, mctx);
+    const llama_kv_cache_context * swa = mctx->get_swa();
+    inp->self_k_idxs_swa = swa->build_input_k_idxs(ctx0, ubatch);
+    inp->self_v_idxs_swa = swa->build_input_v_idxs(ctx0, ubatch);
+    // the mask as llama-graph.cpp builds it for a stock cache: [n_kv, n_tokens/n_stream, 1, n_stream]
+    const int64_t n_stream = cparams.kv_unified ? 1 : ubatch.n_seqs_unq;
+    inp->self_kq_mask_swa = ggml_new_tensor_4d(ctx0, cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32,
+                                               swa->get_n_kv(), ubatch.n_tokens/n_stream, 1, n_stream);
+    ggml_set_input(inp->self_kq_mask_swa);
+    ggml_set_name(inp->self_kq_mask_swa, "attn_inp_kq_mask_swa");
+    inp->self_kq_mask_swa_cnv = inp->self_kq_mask_swa;
+    // the ott2 plan, as for a model without windows
+    int64_t ns = (int64_t) mctx->get_ott()->get_plan().size();
+    if (ns == 0) {
+        ns = std::max<int64_t>(1, ubatch.n_seqs_unq);
+    }
+    inp->ott.n_tokens = ubatch.n_tokens;
+    inp->ott.ub_plan = ggml_new_tensor_2d(ctx0, GGML_TYPE_I32, 4, ns);
+    ggml_set_input(inp->ott.ub_plan);
+    return inp;
+}
+
+const llama_kv_cache_context * llama_ott_iswa_swa_context(const llm_graph_input_attn_kv_iswa * inp) {
+    const auto * oi = dynamic_cast<const llm_graph_input_attn_kv_ott_iswa *>(inp);
+    return oi ? oi->mctx_oi->get_swa() : nullptr;
+}
+
 // ------------------------------------------------------------------------------------------------- C API
 
 void llama_ott_set_params(int32_t G, int32_t R, int32_t outlier_num, int32_t aux_cap, int32_t no_outlier_layers) {
@@ -988,6 +1235,9 @@ void llama_ott_get_params(int32_t * out) {
 
 int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, int32_t n) {
     auto * kv = dynamic_cast<llama_kv_cache_ott *>(llama_get_memory(lctx));
+    if (auto * oi = dynamic_cast<llama_kv_cache_ott_iswa *>(llama_get_memory(lctx))) {
+        kv = oi->kv_ott.get();
+    }
     if (!kv) {
         return 0;
     }

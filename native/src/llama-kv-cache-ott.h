@@ -88,3 +88,48 @@ std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ct
 
 ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_input_attn_kv_ott * inp,
         ggml_tensor * q_cur, ggml_tensor * k_cur, ggml_tensor * v_cur, float kq_scale, int il);
+
+// ---- sliding-window models (Gemma 3): the ott2 cache for the full-attention layers next to a stock f16
+// llama_kv_cache for the window layers, which keeps only the window and gains little from 2 bits.
+
+class llama_kv_cache_context;
+
+class llama_kv_cache_ott_iswa_context : public llama_memory_context_i {
+public:
+    explicit llama_kv_cache_ott_iswa_context(llama_memory_status status);
+    llama_kv_cache_ott_iswa_context(llama_memory_context_ptr ctx_ott, llama_memory_context_ptr ctx_swa);
+
+    bool next() override;
+    bool apply() override;
+    const llama_ubatch & get_ubatch() const override;
+    llama_memory_status get_status() const override;
+
+    const llama_kv_cache_ott_context * get_ott() const;
+    const llama_kv_cache_context * get_swa() const;
+
+private:
+    llama_memory_status status;
+    llama_memory_context_ptr ctx_ott;
+    llama_memory_context_ptr ctx_swa;
+};
+
+// graph input: the window layers' stock inputs (k/v idxs and mask of the f16 cache) plus the ott2 plan; its
+// base-class mctx stays null, which is how build_attn tells it apart
+class llm_graph_input_attn_kv_ott_iswa : public llm_graph_input_attn_kv_iswa {
+public:
+    llm_graph_input_attn_kv_ott_iswa(const llama_hparams & hparams, const llama_cparams & cparams,
+                                     const llama_kv_cache_ott_iswa_context * mctx_oi);
+
+    void set_input(const llama_ubatch * ubatch) override;
+    bool can_reuse(const llm_graph_params & params) override;
+
+    llm_graph_input_attn_kv_ott ott; // the ott2 part (its plan tensor)
+    const llama_kv_cache_ott_iswa_context * mctx_oi;
+};
+
+std::unique_ptr<llm_graph_input_attn_kv_iswa> llama_ott_build_input_iswa(ggml_context * ctx0,
+        const llama_ubatch & ubatch, const llama_hparams & hparams, const llama_cparams & cparams,
+        const llama_kv_cache_ott_iswa_context * mctx);
+
+// the window layers' f16 cache context of an ott2 iSWA input (null for any other input)
+const llama_kv_cache_context * llama_ott_iswa_swa_context(const llm_graph_input_attn_kv_iswa * inp);
