@@ -153,7 +153,8 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[
 
     with captured_log() as lines:
         # small batches: the compute buffers are not what is measured and need not be large
-        llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, verbose=False)
+        # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
+        llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
         llm.close()
     text = "".join(lines)
     if kv_type in OTT_KV_TYPES:
@@ -161,7 +162,12 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[
         if not m:
             raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
         total, quant, tail, pools = (float(x) * MIB for x in m.groups())
-        return total, {"quantized": quant, "fp16 tail": tail, "pools": pools}
+        # a sliding-window model's window layers sit in a stock f16 cache next to the ott2 one
+        window = sum(float(x) * MIB for x in _STOCK_SIZE.findall(text))
+        parts = {"quantized": quant, "fp16 tail": tail, "pools": pools}
+        if window:
+            parts["f16 window layers"] = window
+        return total + window, parts
     # an interleaved sliding-window model has two caches (full and SWA layers): each logs its size
     sizes = [float(x) * MIB for x in _STOCK_SIZE.findall(text)]
     if not sizes:
