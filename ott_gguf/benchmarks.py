@@ -1,0 +1,168 @@
+"""The side-by-side benchmark of issue 4 (docs/benchmarks.md): K/V bytes per token, llama-bench speed and
+llama-perplexity fidelity of f16, q8_0, q4_0, kivi2 and ott2 on the test models, measured on this machine.
+
+    python -m ott_gguf.benchmarks --out docs/benchmarks.md [--models smollm2-135m,gemma3-270m] [--threads 2]
+
+Every number in the output is measured by the run that writes it; the commands are printed with the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import models
+from ._lib import bin_path
+from .bench import BenchRow, bench
+from .corpus import docs_text
+from .info import measure_kv_bytes
+from .kv_types import resolve_kv_type
+from .server import server_env
+
+KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
+MEM_CTX = (2048, 8192, 32768)
+TEXT_BYTES = 200_000  # spec/targets.md: the first 200,000 bytes of the pinned llama.cpp docs
+
+
+@dataclass(frozen=True)
+class PplRow:
+    kv_type: str
+    ppl: float
+    ppl_ratio: float
+    mean_kld: float
+    kld_999: float
+    top1: float  # percent of positions whose top token equals f16's
+
+
+def _perplexity_cmd(model: Path, kv_type: str, text: Path, threads: int, chunks: int) -> list[str]:
+    t = resolve_kv_type(kv_type)
+    return [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "2048", "-b", "2048",
+            "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", t, "-ctv", t]  # fmt: skip
+
+
+def _num(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    if not m:
+        raise RuntimeError(f"llama-perplexity output has no match for {pattern!r}:\n{text[-3000:]}")
+    return float(m.group(1))
+
+
+def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[PplRow]:
+    """llama-perplexity with f16 as the KL-divergence base, then each type against it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "docs.txt"
+        text.write_bytes(docs_text(TEXT_BYTES).encode())
+        base = Path(tmp) / "f16.kld"
+        cmd = [*_perplexity_cmd(model, "f16", text, threads, chunks), "--kl-divergence-base", str(base)]
+        log.append(" ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows = []
+        for t in KV_TYPES:
+            cmd = [*_perplexity_cmd(model, t, text, threads, chunks), "--kl-divergence-base", str(base),
+                   "--kl-divergence"]  # fmt: skip
+            log.append(" ".join(cmd))
+            r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(t))
+            if r.returncode != 0:
+                raise RuntimeError(f"llama-perplexity failed for {t}:\n{r.stderr[-3000:]}")
+            out = r.stdout + r.stderr
+            rows.append(PplRow(
+                kv_type=t,
+                ppl=_num(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", out),
+                ppl_ratio=_num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
+                mean_kld=_num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
+                kld_999=_num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
+                top1=_num(r"Same top p:\s*([0-9.]+)", out),
+            ))  # fmt: skip
+        return rows
+
+
+def run(model_names: list[str], threads: int, depths: list[int], chunks: int, reps: int) -> dict[str, object]:
+    out: dict[str, object] = {"machine": f"{platform.machine()}, {threads} threads", "started": time.ctime()}
+    for name in model_names:
+        path = models.fetch(name, quiet=True)
+        log: list[str] = []
+        t0 = time.time()
+        mem = measure_kv_bytes(path, KV_TYPES, n_ctx=(MEM_CTX[0], MEM_CTX[1]))
+        speed: list[BenchRow] = bench(path, KV_TYPES, depths=depths, n_prompt=512, n_gen=64, threads=threads,
+                                      reps=reps, progress=log.append)  # fmt: skip
+        ppl = perplexity(path, threads, chunks, log)
+        out[name] = {
+            "memory": [{"kv_type": m.kv_type, **{str(n): m.at(n) for n in MEM_CTX}, "parts": m.parts} for m in mem],
+            "speed": [asdict(r) for r in speed],
+            "perplexity": [asdict(r) for r in ppl],
+            "commands": log,
+            "seconds": round(time.time() - t0),
+        }
+        print(f"{name}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def markdown(res: dict[str, object], depths: list[int]) -> str:
+    lines = [f"Measured {res['started']} on {res['machine']} (`python -m ott_gguf.benchmarks`).", ""]
+    for name, r in res.items():
+        if not isinstance(r, dict):
+            continue
+        lines += [f"## {name}", "", "### K/V cache bytes (the caches' own allocation)", "",
+                  "| K/V | " + " | ".join(f"{n // 1024}k MiB" for n in MEM_CTX) + " | f16 / this at 8k | at 32k |",
+                  "|---|" + "---|" * (len(MEM_CTX) + 2)]  # fmt: skip
+        f16 = next(m for m in r["memory"] if m["kv_type"] == "f16")
+        for m in r["memory"]:
+            cells = [f"{m[str(n)] / 2**20:.2f}" for n in MEM_CTX]
+            lines.append(f"| {m['kv_type']} | " + " | ".join(cells) +
+                         f" | {f16['8192'] / m['8192']:.2f}x | {f16['32768'] / m['32768']:.2f}x |")  # fmt: skip
+        lines += ["", "### llama-bench tokens/s (pp512 prefill, tg64 decode, at context depth)", ""]
+        labels = [f"{t} @ {d}" for d in depths for t in ("pp512", "tg64")]
+        lines += ["| K/V | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        by = {(s["kv_type"], s["test"], s["depth"]): s["tokens_per_s"] for s in r["speed"]}
+        for t in KV_TYPES:
+            cells = [by.get((t, lab.split()[0][:2], int(lab.split()[-1]))) for lab in labels]
+            lines.append(f"| {t} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+        lines += ["", "Ratio to f16 (same run):", "", "| K/V | " + " | ".join(labels) + " |",
+                  "|---|" + "---|" * len(labels)]  # fmt: skip
+        for t in KV_TYPES[1:]:
+            cells = []
+            for lab in labels:
+                key = (lab.split()[0][:2], int(lab.split()[-1]))
+                a, b = by.get((t, *key)), by.get(("f16", *key))
+                cells.append("" if a is None or b is None else f"{a / b:.2f}")
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "### llama-perplexity vs f16 (KL divergence base), 2048-token chunks of the pinned docs",
+            "",
+            "| K/V | PPL | PPL ratio | mean KLD | 99.9% KLD | top-1 same |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in r["perplexity"]:
+            lines.append(f"| {p['kv_type']} | {p['ppl']:.3f} | {p['ppl_ratio']:.4f} | {p['mean_kld']:.4f} | "
+                         f"{p['kld_999']:.3f} | {p['top1']:.1f}% |")  # fmt: skip
+        lines += ["", f"Commands ({r['seconds']} s in all):", "", "```"] + r["commands"] + ["```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ott_gguf.benchmarks", description=__doc__)
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--depths", default="0,4096,8192")
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True, help="markdown file; the raw numbers go next to it as .json")
+    a = ap.parse_args(argv)
+    depths = [int(d) for d in a.depths.split(",")]
+    res = run(a.models.split(","), a.threads, depths, a.chunks, a.reps)
+    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    a.out.write_text("# Benchmarks: ott2 next to llama.cpp's cache types\n\n" + markdown(res, depths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
