@@ -100,7 +100,7 @@ def cached_positions(llm: Llama) -> int:
 
 
 def kv_line(llm: Llama, shape: KvShape) -> str:
-    """One line on the K/V cache, e.g. "[kv ott2: 3.21 MiB, 160 tokens; f16: 3.52 MiB]"."""
+    """One line on the K/V cache, e.g. "[kv ott2: 2.15 MiB, 64 tokens; f16: 1.41 MiB]" (ott2 adds its pools)."""
     n = cached_positions(llm)
     line = f"[kv {llm.kv_type}: {format_bytes(kv_bytes(llm, shape, n))}, {n} tokens"
     if llm.kv_type != "f16":
@@ -172,6 +172,9 @@ def run(
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
         pass
+    # llama.cpp pads the context to a multiple of 256 but llama-cpp-python sizes its token arrays by the n_ctx asked
+    # for: a conversation that outgrows the latter fails inside numpy instead of with "exceed context window"
+    n_ctx = -(-n_ctx // 256) * 256
     llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, seed=0, verbose=verbose)
     session = ChatSession(llm, system=system, max_tokens=max_tokens, temperature=temperature)
     print(f"ott-gguf chat: {model.name}, kv_type={llm.kv_type}, n_ctx={n_ctx}. {HELP}", file=out, flush=True)

