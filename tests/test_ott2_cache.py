@@ -246,6 +246,10 @@ def test_sequence_state_moves_to_another_context(smollm2: Path, doc_tokens: list
     buf = (ctypes.c_uint8 * n)()
     assert lc.llama_state_seq_get_data(src._ctx.ctx, buf, n, 0) == n
     want = greedy(src, doc_tokens[300], 40)
+    f16 = Llama(str(smollm2), kv_type="f16", n_ctx=1024, verbose=False)
+    f16.eval(doc_tokens[:300])
+    # only what is held is saved (sealed groups, the unsealed ring rows, used pool slots): 2-bit sized
+    assert n < 0.3 * lc.llama_state_seq_get_size(f16._ctx.ctx, 0)
 
     dst = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
     assert lc.llama_state_seq_set_data(dst._ctx.ctx, buf, n, 0) == n

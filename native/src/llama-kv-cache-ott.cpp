@@ -574,7 +574,7 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_ott::memory_breakdow
 // State: magic, version, the configuration and per-layer shapes (a state of another cache type or another
 // configuration is refused), then per stream its counters and the used parts of every tensor.
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
-static const uint32_t OTT_STATE_VERSION = 1;
+static const uint32_t OTT_STATE_VERSION = 2; // 2: only the used ring rows and pool slots
 
 void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     GGML_UNUSED(flags);
@@ -602,14 +602,23 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                 const size_t nsv = (size_t) streams[s].n_sealed*L.sealed_v->nb[1];
                 io.write((const char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
                 io.write((const char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
+                // the ring rows of the positions not sealed yet, then the pools' meta and their used slots only
                 for (int kv = 0; kv < 2; ++kv) {
-                    for (uint32_t t = 0; t < L.op.T; ++t) {
-                        io.write((const char *) L.ring->data + h*L.ring->nb[1] + t*L.ring->nb[2] + (2*s + kv)*L.ring->nb[3],
-                                 L.op.D*sizeof(ggml_fp16_t));
+                    for (int32_t pos = streams[s].n_sealed*(int32_t) p.G; pos < streams[s].n_pos; ++pos) {
+                        io.write((const char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
+                                 (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
                     }
                 }
-                io.write((const char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3], L.pool_kv->nb[3]);
-                io.write((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2], L.pool_meta->nb[1]);
+                const int32_t * meta = (const int32_t *) ((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] +
+                                                          s*L.pool_meta->nb[2]);
+                io.write(meta, L.pool_meta->nb[1]);
+                const char * pool = (const char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3];
+                const size_t row = L.op.D*sizeof(ggml_fp16_t);
+                const uint32_t O = (uint32_t) L.op.outlier_num;
+                for (int kv = 0; kv < 2; ++kv) {
+                    io.write(pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
+                    io.write(pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
+                }
             }
         }
     }
@@ -666,13 +675,25 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                 io.read((char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
                 io.read((char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
                 for (int kv = 0; kv < 2; ++kv) {
-                    for (uint32_t t = 0; t < L.op.T; ++t) {
-                        io.read((char *) L.ring->data + h*L.ring->nb[1] + t*L.ring->nb[2] + (2*s + kv)*L.ring->nb[3],
-                                L.op.D*sizeof(ggml_fp16_t));
+                    for (int32_t pos = rec[2]*(int32_t) p.G; pos < rec[1]; ++pos) {
+                        io.read((char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
+                                (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
                     }
                 }
-                io.read((char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3], L.pool_kv->nb[3]);
-                io.read((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2], L.pool_meta->nb[1]);
+                int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
+                io.read(meta, L.pool_meta->nb[1]);
+                const uint32_t O = (uint32_t) L.op.outlier_num;
+                if (meta[2*L.op.S] < 0 || (uint32_t) meta[2*L.op.S] > O || meta[2*L.op.S + 1] < 0 ||
+                    (uint32_t) meta[2*L.op.S + 1] > L.op.S - O) {
+                    reset_stream_meta((uint32_t) s);
+                    throw std::runtime_error("ott2: the state's pool counts are out of range (a corrupt state)");
+                }
+                char * pool = (char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3];
+                const size_t row = L.op.D*sizeof(ggml_fp16_t);
+                for (int kv = 0; kv < 2; ++kv) {
+                    io.read(pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
+                    io.read(pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
+                }
             }
         }
         streams[s].n_pos = rec[1];
