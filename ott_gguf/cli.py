@@ -1,4 +1,4 @@
-"""`ott-gguf` command line: generate, serve, models, build-info."""
+"""`ott-gguf` command line: chat, generate, serve, info, eval, bench, models, build-info."""
 
 from __future__ import annotations
 
