@@ -148,6 +148,38 @@ def markdown(res: dict[str, object], depths: list[int]) -> str:
     return "\n".join(lines)
 
 
+def plot(res: dict[str, object], out_dir: Path) -> list[Path]:
+    """One PNG per model from the measured results: cache MiB vs context, decode tok/s vs depth, mean KLD."""
+    from .evaluate import import_pyplot
+
+    plt = import_pyplot()
+    paths = []
+    for name, r in res.items():
+        if not isinstance(r, dict):
+            continue
+        fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+        for m in r["memory"]:
+            ax[0].plot(MEM_CTX, [m[str(n)] / 2**20 for n in MEM_CTX], marker="o", label=m["kv_type"])
+        ax[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="K/V cache MiB", title="memory")
+        for t in KV_TYPES:
+            pts = sorted((s["depth"], s["tokens_per_s"]) for s in r["speed"] if s["kv_type"] == t and s["test"] == "tg")
+            ax[1].plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=t)
+        ax[1].set(xlabel="context depth (tokens)", ylabel="decode tokens/s (tg64)", title="decode speed")
+        kl = [(q["kv_type"], q["mean_kld"]) for q in r["perplexity"] if q["kv_type"] != "f16"]
+        ax[2].bar([k for k, _ in kl], [v for _, v in kl], color="tab:gray")
+        ax[2].set(ylabel="mean KLD vs f16", title="fidelity (llama-perplexity)")
+        for a in ax[:2]:
+            a.legend()
+            a.grid(alpha=0.3)
+        fig.suptitle(f"{name}: ott2 next to llama.cpp's K/V types ({res['machine']})")
+        fig.tight_layout()
+        path = out_dir / f"benchmarks-{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ott_gguf.benchmarks", description=__doc__)
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
@@ -156,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True, help="markdown file; the raw numbers go next to it as .json")
+    ap.add_argument("--from-json", action="store_true", help="only redraw the report and plots from OUT's .json")
     a = ap.parse_args(argv)
     depths = [int(d) for d in a.depths.split(",")]
-    res = run(a.models.split(","), a.threads, depths, a.chunks, a.reps)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    a.out.write_text("# Benchmarks: ott2 next to llama.cpp's cache types\n\n" + markdown(res, depths))
+    if a.from_json:
+        res = json.loads(a.out.with_suffix(".json").read_text())
+    else:
+        res = run(a.models.split(","), a.threads, depths, a.chunks, a.reps)
+        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    pngs = plot(res, a.out.parent)
+    a.out.write_text("# Benchmarks: ott2 next to llama.cpp's cache types\n\n" + markdown(res, depths) + "\n"
+                     + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")  # fmt: skip
     return 0
 
 
