@@ -84,7 +84,9 @@ def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[P
         return rows
 
 
-def run(model_names: list[str], threads: int, depths: list[int], chunks: int, reps: int) -> dict[str, object]:
+def run(model_names: list[str], threads: int, depths: list[int], chunks: int, reps: int,
+        save: Path | None = None) -> dict[str, object]:  # fmt: skip
+    """Measure every model; with `save`, the results so far are written there after each model."""
     out: dict[str, object] = {"machine": f"{platform.machine()}, {threads} threads", "started": time.ctime()}
     for name in model_names:
         path = models.fetch(name, quiet=True)
@@ -102,6 +104,8 @@ def run(model_names: list[str], threads: int, depths: list[int], chunks: int, re
             "seconds": round(time.time() - t0),
         }
         print(f"{name}: done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        if save is not None:
+            save.write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -119,7 +123,8 @@ def markdown(res: dict[str, object], depths: list[int]) -> str:
             lines.append(f"| {m['kv_type']} | " + " | ".join(cells) +
                          f" | {f16['8192'] / m['8192']:.2f}x | {f16['32768'] / m['32768']:.2f}x |")  # fmt: skip
         lines += ["", "### llama-bench tokens/s (pp512 prefill, tg64 decode, at context depth)", ""]
-        labels = [f"{t} @ {d}" for d in depths for t in ("pp512", "tg64")]
+        model_depths = sorted({s["depth"] for s in r["speed"]}) or depths
+        labels = [f"{t} @ {d}" for d in model_depths for t in ("pp512", "tg64")]
         lines += ["| K/V | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
         by = {(s["kv_type"], s["test"], s["depth"]): s["tokens_per_s"] for s in r["speed"]}
         for t in KV_TYPES:
@@ -194,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         res = json.loads(a.out.with_suffix(".json").read_text())
     else:
-        res = run(a.models.split(","), a.threads, depths, a.chunks, a.reps)
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        res = run(a.models.split(","), a.threads, depths, a.chunks, a.reps, save=a.out.with_suffix(".json"))
     pngs = plot(res, a.out.parent)
     a.out.write_text("# Benchmarks: ott2 next to llama.cpp's cache types\n\n" + markdown(res, depths) + "\n"
                      + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")  # fmt: skip
