@@ -122,13 +122,19 @@ def ott_get_params() -> tuple[int, ...]:
     return tuple(out)
 
 
-def ott_cache_info(ctx: object) -> tuple[int, int] | None:
-    """(positions held, positions sealed) of a context's ott2 cache, or None when it has none."""
-    out = (ctypes.c_int64 * 2)()
+OTT_CACHE_INFO_FIELDS = ("positions", "sealed", "quantized_bytes", "tail_bytes", "pool_bytes", "outlier_slots",
+                         "aux_slots", "window_bytes", "layers")  # fmt: skip
+
+
+def ott_cache_info(ctx: object) -> dict[str, int] | None:
+    """What a context's ott2 cache holds (see llama_ott_cache_info in native/include/llama-ott.h), or None when
+    the context has no ott2 cache."""
+    k = len(OTT_CACHE_INFO_FIELDS)
+    out = (ctypes.c_int64 * k)()
     n = _fn("llama_ott_cache_info", ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32])(
-        ctx, out, 2
+        ctx, out, k
     )
-    return (int(out[0]), int(out[1])) if n == 2 else None
+    return dict(zip(OTT_CACHE_INFO_FIELDS, (int(v) for v in out), strict=True)) if n == k else None
 
 
 def ott_model_problem(model_path: str) -> str:

@@ -202,8 +202,9 @@ def ggml_type_size(kv_type: str) -> float:
 
 
 def formula_bytes_per_token(info: ModelInfo, kv_type: str) -> float | None:
-    """n_layer x n_head_kv x (head_dim_k + head_dim_v) x bytes per element; None for ott2/kivi2 and
-    per-layer head counts. Assumes every layer caches every token (llama-cpp-python's full-size SWA cache)."""
-    if resolve_kv_type(kv_type) in OTT_KV_TYPES or info.n_head_kv is None:
+    """n_layer x n_head_kv x (head_dim_k + head_dim_v) x bytes per element; None for ott2/kivi2, per-layer head
+    counts and sliding-window models (their window layers hold only the window, and which layers those are is
+    the architecture's, not the GGUF's)."""
+    if resolve_kv_type(kv_type) in OTT_KV_TYPES or info.n_head_kv is None or info.sliding_window:
         return None
     return info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v) * ggml_type_size(kv_type)

@@ -80,11 +80,20 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott2 cache")
 
     def kv_cache_info(self) -> dict[str, object]:
-        """The K/V cache type and, for ott2/kivi2, how many positions are held and how many are sealed."""
+        """The K/V cache type and, for ott2/kivi2: positions held and sealed, bytes allocated by part (quantized
+        groups, fp16 tail, pools, and a sliding-window model's f16 window layers), outlier and aux pool slots in
+        use (summed over layers and KV heads), and the configuration."""
         info: dict[str, object] = {"kv_type": self.kv_type}
         if self.ott_config is not None:
-            held, sealed = _lib.ott_cache_info(self._ctx.ctx) or (0, 0)
-            info.update(positions=held, sealed=sealed, config=self.ott_config)
+            c = _lib.ott_cache_info(self._ctx.ctx)
+            if c is None:
+                raise RuntimeError("this context has no ott2 cache")
+            parts = {"quantized": c["quantized_bytes"], "fp16 tail": c["tail_bytes"], "pools": c["pool_bytes"]}
+            if c["window_bytes"]:
+                parts["f16 window layers"] = c["window_bytes"]
+            info.update(positions=c["positions"], sealed=c["sealed"], bytes=parts, total_bytes=sum(parts.values()),
+                        outlier_slots=c["outlier_slots"], aux_slots=c["aux_slots"], ott_layers=c["layers"],
+                        config=self.ott_config)  # fmt: skip
         return info
 
     def load_state(self, state: Any) -> None:

@@ -108,7 +108,8 @@ def test_info_on_gemma3_reports_what_the_build_says(gemma3: Path, capsys: pytest
     assert code == 0, err
     assert "architecture: gemma3" in out
     rows = table(out)
-    assert abs(float(rows["f16"]["bytes/token"]) - float(rows["f16"]["formula"])) <= 2
+    assert rows["f16"]["formula"] == "-"  # window layers: the slope is the full-attention layers' only
+    assert 0 < float(rows["f16"]["bytes/token"]) < 18 * 1 * 512 * 2  # below all 18 layers caching every token
     if problem:
         assert f"ott2: not supported: {problem}" in out
         assert rows["ott2"]["max n_ctx in 1024 MiB"] == "not supported"

@@ -138,3 +138,33 @@ def test_seq_cp_copies_a_whole_sequence(smollm2: Path) -> None:
             c.close()
     finally:
         lc.llama_model_free(model)
+
+
+def test_seq_keep_clears_the_other_sequences(smollm2: Path) -> None:
+    """llama_memory_seq_keep keeps one sequence exactly (it continues as before) and empties the others, which
+    then start again from position 0."""
+    lc = _lib.llama_cpp_module().llama_cpp
+    model = lc.llama_model_load_from_file(str(smollm2).encode(), lc.llama_model_default_params())
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        text = docs_text(4000).encode()
+        buf = (lc.llama_token * 4096)()
+        n = lc.llama_tokenize(vocab, text, len(text), buf, 4096, False, False)
+        prompt = list(buf[: min(n, 300)])
+        c = Ctx(model, 2, 1024)
+        try:
+            for seq in (0, 1):
+                c.decode([(t, i, seq, False) for i, t in enumerate(prompt)])
+            mem = lc.llama_get_memory(c.ctx)
+            lc.llama_memory_seq_keep(mem, 1)
+            assert lc.llama_memory_seq_pos_max(mem, 0) == -1
+            assert lc.llama_memory_seq_pos_max(mem, 1) == len(prompt) - 1
+            # the kept sequence continues like a fresh sequence 0 with the same prompt
+            (kept,) = c.decode([(prompt[-1], len(prompt), 1, True)])
+            c.decode([(t, i, 0, False) for i, t in enumerate(prompt)])  # the same ubatches as before
+            (fresh,) = c.decode([(prompt[-1], len(prompt), 0, True)])
+            np.testing.assert_allclose(kept, fresh, rtol=1e-4, atol=1e-3)
+        finally:
+            c.close()
+    finally:
+        lc.llama_model_free(model)

@@ -117,7 +117,9 @@ def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
     assert ott2 < 0.6 * kivi2
     llm = Llama(str(gemma3), kv_type="ott2", n_ctx=2048, verbose=False)
     llm.eval(toks[:600])
-    assert llm.kv_cache_info()["sealed"] == 512  # positions of the full-attention layers' ott2 cache
+    info = llm.kv_cache_info()
+    assert info["sealed"] == 512  # positions of the full-attention layers' ott2 cache
+    assert info["ott_layers"] == 3 and info["bytes"]["f16 window layers"] > 0  # 15 window layers in f16
 
 
 def test_gemma3_server_slots_need_separate_streams(gemma3: Path, tmp_path: Path) -> None:
@@ -197,6 +199,15 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     assert "outliers=5" in next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
     bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "ott3" in bad.stderr
+    # llama-bench: kivi2 by name too, but not next to ott2 in one run (one type id, one process-wide setting)
+    bench = [str(_lib.bin_path("llama-bench")), "-m", str(smollm2), "-p", "16", "-n", "0", "-r", "1", "-t", "2"]
+    ok = subprocess.run([*bench, "-ctk", "kivi2", "-ctv", "kivi2", "-v"], capture_output=True, text=True,
+                        timeout=120)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "outliers=0" in next(s for s in ok.stderr.splitlines() if "ott2 cache:" in s)
+    mixed = subprocess.run([*bench, "-ctk", "ott2,kivi2", "-ctv", "ott2,kivi2"], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert mixed.returncode != 0 and "separate runs" in mixed.stderr
 
 
 def test_non_finite_keys_are_refused_until_the_sequence_is_cleared(smollm2: Path) -> None:
@@ -230,7 +241,7 @@ def test_non_finite_keys_are_refused_until_the_sequence_is_cleared(smollm2: Path
     llm.eval(toks[:50])
     assert np.isfinite(np.array(llm.scores[49])).all()
     info = _lib.ott_cache_info(ctx)
-    assert info is not None and info[0] == 50
+    assert info is not None and info["positions"] == 50
 
 
 def test_sequence_state_moves_to_another_context(smollm2: Path, doc_tokens: list[int]) -> None:
@@ -282,3 +293,25 @@ def test_decode_reuses_graphs_with_the_same_tokens(smollm2: Path, doc_tokens: li
     rebuilt, n_rebuilt = run()
     assert n_rebuilt == 0
     assert reused == rebuilt
+
+
+def test_kv_cache_info_reports_bytes_by_part_and_pool_slots(smollm2: Path, doc_tokens: list[int]) -> None:
+    """Bytes by part as allocated (the quantized part checked against the block layout) and pool slots in use."""
+    from ott_gguf.native import kernels
+
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=8192, verbose=False)
+    llm.eval(doc_tokens[:600])
+    info = llm.kv_cache_info()
+    assert info["positions"] == 600 and info["sealed"] == 512
+    head = kernels().head(2, 128, 64, "scalar")
+    n_layer, n_kv_head, D, G, Gv = 30, 3, 64, 128, 64  # SmolLM2-135M
+    per_group = D * head.k_block_bytes + G * (D // Gv) * head.v_block_bytes
+    assert info["bytes"]["quantized"] == n_layer * n_kv_head * (8192 // G) * per_group
+    assert info["total_bytes"] == sum(info["bytes"].values()) < 0.2 * 8192 * n_layer * n_kv_head * D * 2 * 2
+    # 28 layers with outliers (no_outlier_layers=2), 3 slots per head at most; every group sealed so far competed
+    assert 0 < info["outlier_slots"] <= 28 * n_kv_head * 3
+    assert info["aux_slots"] <= n_layer * n_kv_head * 32
+    kivi = Llama(str(smollm2), kv_type="kivi2", n_ctx=8192, verbose=False)
+    kivi.eval(doc_tokens[:600])
+    k = kivi.kv_cache_info()
+    assert k["outlier_slots"] == 0 and k["aux_slots"] == 0 and k["bytes"]["quantized"] == info["bytes"]["quantized"]

@@ -19,8 +19,11 @@ LLAMA_API void llama_ott_set_params(int32_t G, int32_t R, int32_t outlier_num, i
 LLAMA_API void llama_ott_get_params(int32_t * out);
 // Whether the ott2 cache can serve this model; when not, reason (if given) receives why, naming the architecture.
 LLAMA_API bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n);
-// What the context's ott2 cache holds: out[0] positions held, out[1] positions sealed (all sequences).
-// Returns how many values were written (0 when the context does not use the ott2 cache).
+// What the context's ott2 cache holds, summed over its sequences: out[0] positions held, out[1] positions sealed,
+// out[2..4] bytes allocated for the quantized groups, the fp16 tail and the pools, out[5] outlier slots in use,
+// out[6] aux slots in use (over layers and heads), out[7] bytes of the f16 window-layer cache of a sliding-window
+// model (0 otherwise), out[8] layers served by ott2. Returns how many values were written (at most n; 0 when the
+// context does not use the ott2 cache).
 LLAMA_API int32_t llama_ott_cache_info(const struct llama_context * ctx, int64_t * out, int32_t n);
 
 #ifdef __cplusplus

@@ -109,6 +109,25 @@ public:
     void commit(const std::vector<llama_ott_stream_plan> & plan, uint32_t n_tok);
     ott_layer * layer(int32_t il) { return il < (int32_t) layer_ids.size() && layer_ids[il] >= 0 ? &layers[layer_ids[il]] : nullptr; }
 
+    void bytes(int64_t & quant, int64_t & tail, int64_t & pool) const {
+        quant = (int64_t) bytes_quant; tail = (int64_t) bytes_tail; pool = (int64_t) bytes_pool;
+    }
+    // outlier and aux pool slots in use, over every layer, head and stream
+    void slots_in_use(int64_t & n_outlier, int64_t & n_aux) const {
+        n_outlier = n_aux = 0;
+        for (const auto & L : layers) {
+            for (uint32_t s = 0; s < n_stream; ++s) {
+                for (uint32_t h = 0; h < L.op.H; ++h) {
+                    const int32_t * meta = (const int32_t *) ((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] +
+                                                              s*L.pool_meta->nb[2]);
+                    n_outlier += meta[2*L.op.S];
+                    n_aux += meta[2*L.op.S + 1];
+                }
+            }
+        }
+    }
+    size_t n_layers() const { return layers.size(); }
+
     const llama_ott_params p;
     const uint32_t n_stream;
     const uint32_t n_ctx_seq;
@@ -1256,19 +1275,26 @@ void llama_ott_get_params(int32_t * out) {
 
 int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, int32_t n) {
     auto * kv = dynamic_cast<llama_kv_cache_ott *>(llama_get_memory(lctx));
+    int64_t window = 0;
     if (auto * oi = dynamic_cast<llama_kv_cache_ott_iswa *>(llama_get_memory(lctx))) {
         kv = oi->kv_ott.get();
+        for (const auto & [buft, size] : oi->kv_swa->memory_breakdown()) {
+            window += (int64_t) size;
+        }
     }
     if (!kv) {
         return 0;
     }
-    int64_t sealed = 0, pos = 0;
+    int64_t vals[9] = { 0 };
     for (const auto & st : kv->streams) {
-        sealed += (int64_t) st.n_sealed*kv->p.G;
-        pos += st.n_pos;
+        vals[0] += st.n_pos;
+        vals[1] += (int64_t) st.n_sealed*kv->p.G;
     }
-    const int64_t vals[] = { pos, sealed };
-    const int32_t m = std::min<int32_t>(n, 2);
+    kv->bytes(vals[2], vals[3], vals[4]);
+    kv->slots_in_use(vals[5], vals[6]);
+    vals[7] = window;
+    vals[8] = (int64_t) kv->n_layers();
+    const int32_t m = std::min<int32_t>(n, 9);
     for (int32_t i = 0; i < m; ++i) {
         out[i] = vals[i];
     }
