@@ -308,6 +308,11 @@ llama_memory_i * llama_kv_cache_ott_create(const llama_model & model, const llam
     if (!why.empty()) {
         throw std::runtime_error("ott2: " + why);
     }
+    if (model.n_devices() > 0 && model.n_gpu_layers() > 0) {
+        // its ops are CPU ops for now: refuse rather than run the cache on the CPU behind the user's back
+        throw std::runtime_error("ott2: the cache runs on the CPU only in this build (no GPU ops yet): load the model "
+                                 "with n_gpu_layers=0 (-ngl 0) or use another K/V cache type on the GPU");
+    }
     const llama_ott_params & p = llama_ott_default_params();
     if (p.G != OTT2_HEAD_G) {
         throw std::runtime_error("ott2: G=" + std::to_string(p.G) + " but this build's kernels are for G=" +
