@@ -141,7 +141,7 @@ def ott_model_problem(model_path: str) -> str:
     """Why the ott2 cache cannot serve the model at model_path ("" when it can)."""
     lc = llama_cpp_module().llama_cpp
     params = lc.llama_model_default_params()
-    params.n_gpu_layers = 0  # memory-mapped, on the CPU: checking costs no copy of the weights
+    params.vocab_only = True  # the architecture and hparams are read before the tensors: no weights needed
     quiet = lc.llama_progress_callback(lambda progress, user_data: True)  # no progress dots on stderr
     params.progress_callback = quiet
     model = lc.llama_model_load_from_file(model_path.encode(), params)

@@ -122,6 +122,41 @@ def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
     assert info["ott_layers"] == 3 and info["bytes"]["f16 window layers"] > 0  # 15 window layers in f16
 
 
+def metadata_only_gguf(path: Path, arch: str, keys: dict[str, int | float], tokenizer_from: Path) -> Path:
+    """A GGUF with an architecture's hparams and a real tokenizer but no tensors (enough for the checks, which
+    read the model vocab-only), written with the gguf-py of the pinned llama.cpp source."""
+    import sys
+
+    sys.path.insert(0, str(Path(str(_lib.build_info()["llama_src"])) / "gguf-py"))
+    import gguf  # type: ignore[import-not-found]
+
+    src = gguf.GGUFReader(str(tokenizer_from))
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        vt = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        w.add_key_value(f"{arch}.{key}", value, vt)
+    for name, f in src.fields.items():
+        if name.startswith("tokenizer."):
+            vt = f.types[0]
+            w.add_key_value(name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_recurrent_architecture_is_refused_by_name(smollm2: Path, tmp_path: Path) -> None:
+    mamba = metadata_only_gguf(tmp_path / "mamba.gguf", "mamba", {
+        "context_length": 2048, "embedding_length": 768, "block_count": 24, "ssm.conv_kernel": 4,
+        "ssm.inner_size": 1536, "ssm.state_size": 16, "ssm.time_step_rank": 48,
+        "attention.layer_norm_rms_epsilon": 1e-5}, smollm2)  # fmt: skip
+    with pytest.raises(ValueError, match="the mamba architecture keeps a recurrent state"):
+        Llama(str(mamba), kv_type="ott2", verbose=False)
+    with pytest.raises(ValueError, match="mamba architecture"):
+        Llama(str(mamba), kv_type="kivi2", verbose=False)
+
+
 def test_gemma3_server_slots_need_separate_streams(gemma3: Path, tmp_path: Path) -> None:
     """Several sequences of a sliding-window model with a unified cache are refused with the fix named."""
     import subprocess
