@@ -145,35 +145,26 @@ def lockstep(hk: HeadKernels, cfg: ref.OttConfig, outlier_num: int, k: np.ndarra
 
 
 def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.random.Generator) -> None:
+    """Both attention kernels against the reference: the single-row one (fp32 scores) within fp32 tolerance; the
+    multi-row ones the cache's op uses equal within fp32 rounding to the reference with the int8 query they
+    specify, and close to exact attention (the int8 query is their only approximation)."""
     D = st.head_dim
     scale = 1.0 / math.sqrt(D)
     pooled = st.pooled()
     kq = np.concatenate(nat.kq) if nat.kq else np.zeros((0, hk.k_block_bytes), np.uint8)
     vq = np.concatenate(nat.vq) if nat.vq else np.zeros((0, hk.v_block_bytes), np.uint8)
     lo = st.n_sealed * st.G
+    vmax = float(np.abs(st.served()[2]).max())
     for q_pos in sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo}):
         q = (rng.standard_normal(D) * 0.5).astype(np.float32)
         want = ref.attend(st, q[None], np.array([q_pos]), scale)[0]
         got = hk.attn(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
-        vmax = float(np.abs(st.served()[2]).max())
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * vmax)
-    check_attention_rows(hk, st, nat, rng)
 
-
-def check_attention_rows(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.random.Generator) -> None:
-    """The multi-row kernels (the cache's op): equal within fp32 rounding to the reference with the int8 query
-    it specifies, and close to exact attention (the int8 query is the only approximation)."""
-    D = st.head_dim
-    scale = 1.0 / math.sqrt(D)
-    pooled = st.pooled()
-    kq = np.concatenate(nat.kq) if nat.kq else np.zeros((0, hk.k_block_bytes), np.uint8)
-    vq = np.concatenate(nat.vq) if nat.vq else np.zeros((0, hk.v_block_bytes), np.uint8)
-    lo = st.n_sealed * st.G
     q_pos = np.array(sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo, (lo + st.n_pos) // 2}), np.int32)
     q = (rng.standard_normal((len(q_pos), D)) * 0.5).astype(np.float32)
     got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
                        st.tail_v)  # fmt: skip
-    vmax = float(np.abs(st.served()[2]).max())
     want = ref.attend(st, q, q_pos, scale, int8_query=True)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
     exact = ref.attend(st, q, q_pos, scale)

@@ -52,6 +52,15 @@ class Ctx:
         self.lc.llama_free(self.ctx)
 
 
+def doc_tokens(model: object, n: int) -> list[int]:
+    """The first n tokens (at most) of the docs text."""
+    lc = _lib.llama_cpp_module().llama_cpp
+    text = docs_text(4000).encode()
+    buf = (lc.llama_token * 4096)()
+    got = lc.llama_tokenize(lc.llama_model_get_vocab(model), text, len(text), buf, 4096, False, False)
+    return list(buf[: min(got, n)])
+
+
 def test_three_sequences_in_one_batch_match_each_alone(smollm2: Path) -> None:
     lc = _lib.llama_cpp_module().llama_cpp
     mp = lc.llama_model_default_params()
@@ -120,11 +129,7 @@ def test_seq_cp_copies_a_whole_sequence(smollm2: Path) -> None:
     lc = _lib.llama_cpp_module().llama_cpp
     model = lc.llama_model_load_from_file(str(smollm2).encode(), lc.llama_model_default_params())
     try:
-        vocab = lc.llama_model_get_vocab(model)
-        text = docs_text(4000).encode()
-        buf = (lc.llama_token * 4096)()
-        n = lc.llama_tokenize(vocab, text, len(text), buf, 4096, False, False)
-        prompt = list(buf[: min(n, 420)])
+        prompt = doc_tokens(model, 420)
         assert len(prompt) == 420  # seals groups 0 and 1 (G=128, R=32) in the source stream
         c = Ctx(model, 2, 1024)
         try:
@@ -146,11 +151,8 @@ def test_seq_keep_clears_the_other_sequences(smollm2: Path) -> None:
     lc = _lib.llama_cpp_module().llama_cpp
     model = lc.llama_model_load_from_file(str(smollm2).encode(), lc.llama_model_default_params())
     try:
-        vocab = lc.llama_model_get_vocab(model)
-        text = docs_text(4000).encode()
-        buf = (lc.llama_token * 4096)()
-        n = lc.llama_tokenize(vocab, text, len(text), buf, 4096, False, False)
-        prompt = list(buf[: min(n, 300)])
+        prompt = doc_tokens(model, 300)
+        assert len(prompt) == 300
         c = Ctx(model, 2, 1024)
         try:
             for seq in (0, 1):
