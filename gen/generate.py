@@ -10,8 +10,10 @@ Targets:
            converters (ott2-convert.cuh).
   kernels  a stand-alone kernel library for tests: every (bits, group) config for every ISA of the
            architecture, each ISA in its own file so it is compiled with its own flags, plus a table.
-  cuda     a stand-alone CUDA translation unit with every config's device functions and kernels, for
-           compile checks with nvcc.
+  cuda     for checks without a GPU: a CUDA translation unit with every block config's device functions
+           (ott-cuda-check.cu), and the cache's CUDA ops (ott_cuda_ops.j2) per head config rendered twice:
+           as CUDA (ott2-cuda-<tag>.cu, for nvcc and a GPU test) and as C++ that runs the same kernel bodies
+           on the CPU (ott2-emu-<tag>.cpp), with their header ott2-cuda.h.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
         "ott2-cpu.h": render(e, "ggml_cpu.h.j2", p, **common),
         "ott2-cpu.c": render(e, "ggml_cpu.c.j2", p, **common),
         "ott2-convert.cuh": render(e, "ggml_cuda.cuh.j2", p, **common),
+        "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=[hc], modes=["cuda"], alias=hc),
+        "ott2-cuda-ops.cu": render(e, "ott_cuda_ops.j2", ph + ", mode=cuda", hc=hc, mode="cuda"),
     }
 
 
@@ -208,10 +212,19 @@ def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch:
     return files
 
 
-def gen_cuda(out: Path, configs: list[Config]) -> dict[str, str]:
+def gen_cuda(out: Path, configs: list[Config], heads: list[HeadConfig]) -> dict[str, str]:
     e = env()
     p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs)
-    return {"ott-cuda-check.cu": render(e, "cuda_check.cu.j2", p, configs=configs)}
+    ph = "heads=" + ",".join(f"{h.bits}:{h.G}:{h.Gv}" for h in heads)
+    files = {
+        "ott-cuda-check.cu": render(e, "cuda_check.cu.j2", p, configs=configs),
+        "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=heads, modes=["cuda", "emu"]),
+    }
+    for hc in heads:
+        pc = f"bits={hc.bits}, G={hc.G}, Gv={hc.Gv}"
+        files[f"ott2-cuda-{hc.tag}.cu"] = render(e, "ott_cuda_ops.j2", pc + ", mode=cuda", hc=hc, mode="cuda")
+        files[f"ott2-emu-{hc.tag}.cpp"] = render(e, "ott_cuda_ops.j2", pc + ", mode=emu", hc=hc, mode="emu")
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--heads", default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64", help="kernels: bits:G:Gv per-head configs"
     )
+    ap.add_argument("--cuda-heads", default="2:128:64,2:64:32,4:128:64", help="cuda: bits:G:Gv head configs")
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")
     args = ap.parse_args(argv)
@@ -239,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.target == "kernels":
             files = gen_kernels(args.out, parse_configs(args.configs), parse_heads(args.heads), args.arch)
         else:
-            files = gen_cuda(args.out, parse_configs(args.configs))
+            files = gen_cuda(args.out, parse_configs(args.configs), parse_heads(args.cuda_heads))
     except (ValueError, jinja2.TemplateError) as exc:
         print(f"gen/generate.py: error: {exc}", file=sys.stderr)
         return 1

@@ -442,13 +442,14 @@ class OttCache:
         v: np.ndarray,
         pos: np.ndarray,
         kq_scale: float | None = None,
+        int8_query: bool = False,
     ) -> np.ndarray | None:
         """Append a ubatch of one sequence to one layer, attend, then seal what became eligible.
 
         q (n, n_q_head, D) or None (append and seal only); k, v (n, n_kv_head, D), keys post-RoPE; pos (n,)
         consecutive, starting at n_pos(seq_id, layer). K and V are rounded to fp16 on append and must stay finite.
         Returns the attention output (n, n_q_head, D) float32: query head h reads KV head h // (n_q_head //
-        n_kv_head), the ubatch sees its own tokens in full precision (causally).
+        n_kv_head), the ubatch sees its own tokens in full precision (causally). int8_query: as `attend`.
         """
         heads = self._heads(seq_id, layer)
         H, D = self.n_kv_head, self.head_dim
@@ -470,7 +471,7 @@ class OttCache:
             hs.tail_pos = np.concatenate([hs.tail_pos, pos])
             hs.tail_k = np.concatenate([hs.tail_k, k16[:, h]])
             hs.tail_v = np.concatenate([hs.tail_v, v16[:, h]])
-        out = None if q is None else self._attend(heads, q, pos, kq_scale)
+        out = None if q is None else self._attend(heads, q, pos, kq_scale, int8_query)
         on = self.config.outliers_for_layer(layer)
         for hs in heads:
             seal_eligible(hs, self.config, on)
@@ -487,7 +488,9 @@ class OttCache:
         if len(shape) != 3 or shape[0] != n or shape[1] % self.n_kv_head or shape[2] != self.head_dim:
             raise ValueError(f"q must be ({n}, a multiple of {self.n_kv_head}, {self.head_dim}), got {shape}")
 
-    def _attend(self, heads: list[HeadState], q: np.ndarray, q_pos: np.ndarray, scale: float | None) -> np.ndarray:
+    def _attend(
+        self, heads: list[HeadState], q: np.ndarray, q_pos: np.ndarray, scale: float | None, int8_query: bool = False
+    ) -> np.ndarray:
         self._check_q(q, len(q_pos))
         q = np.asarray(q, dtype=np.float32)
         n, n_q_head, D = q.shape
@@ -496,7 +499,7 @@ class OttCache:
         for h, hs in enumerate(heads):
             # the per_kv query heads of KV head h, as n*per_kv rows
             rows = q[:, h * per_kv : (h + 1) * per_kv].reshape(n * per_kv, D)
-            res = attend(hs, rows, np.repeat(q_pos, per_kv), scale)
+            res = attend(hs, rows, np.repeat(q_pos, per_kv), scale, int8_query)
             out[:, h * per_kv : (h + 1) * per_kv] = res.reshape(n, per_kv, D)
         return out
 

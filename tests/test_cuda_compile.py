@@ -83,3 +83,26 @@ def test_patched_ggml_cuda_convert_compiles(arch: str, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-4000:]
     syms = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
     assert "dequantize_ott2" in syms
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
+def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
+    """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
+    program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture."""
+    require_tool("nvcc", hint="the CUDA toolkit")
+    src = tmp_path / "gen"
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
+                    "--cuda-heads", "2:128:64,4:128:64"], check=True)  # fmt: skip
+    lib = tmp_path / "libott_cuda_test.so"
+    srcs = [str(src / "ott2-cuda-h2g128v64.cu"), str(src / "ott2-cuda-h4g128v64.cu")]
+    res = subprocess.run(
+        ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler", "-fPIC",
+         "-Werror", "all-warnings", "-I", str(src), *srcs, "-o", str(lib)],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    syms = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
+    for tag in ("h2g128v64", "h4g128v64"):
+        for fn in ("attn", "seal"):
+            assert f"ott2_cuda_{tag}_{fn}" in syms and f"ott2_cudatest_{tag}_{fn}" in syms

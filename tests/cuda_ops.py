@@ -1,0 +1,194 @@
+"""The ott2 cache's CUDA ops (gen/templates/ott_cuda_ops.j2) driven from Python, for the tests.
+
+Two builds of the same template: the CPU emulation (C++, blocks and threads as loops; runs everywhere) and the
+CUDA rendering with its test entry points (needs nvcc to build and a GPU to run). Both take one layer's tensors
+as numpy arrays in the cache's layouts; `LayerState` holds them and runs the ops as the graph does: attention
+(partials, then merge), then the seal.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cffi
+import numpy as np
+
+from ott_gguf import reference as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CDEF = """
+typedef struct {
+    int32_t D, H, n_head, T, S, NG, NS, ns, n_tok, n_stream, outlier_num, aux_cap;
+    float scale;
+    const float * q; const float * k; const float * v;
+    uint16_t * ring; uint8_t * sk; uint8_t * sv; uint16_t * pkv; int32_t * pmeta; const int32_t * plan;
+    int32_t * flags; float * part; float * out; uint16_t * scratch;
+} ott_cu_args;
+"""
+
+
+def head_tag(bits: int, G: int, Gv: int) -> str:
+    return f"h{bits}g{G}v{Gv}"
+
+
+def generate(out: Path, heads: str) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(out),
+                    "--cuda-heads", heads], check=True)  # fmt: skip
+    return out
+
+
+class OpsLib:
+    """One build of the ops (emulation or CUDA test library) and its entry points."""
+
+    def __init__(self, path: Path, kind: str, tags: list[str]) -> None:
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(CDEF)
+        for t in tags:
+            if kind == "emu":
+                self.ffi.cdef(f"void ott2_emu_{t}_attn(const ott_cu_args *, void *);")
+                self.ffi.cdef(f"void ott2_emu_{t}_seal(const ott_cu_args *, void *);")
+            else:
+                self.ffi.cdef(f"int ott2_cudatest_{t}_attn(const ott_cu_args *);")
+                self.ffi.cdef(f"int ott2_cudatest_{t}_seal(const ott_cu_args *);")
+        self.lib: Any = self.ffi.dlopen(str(path))
+        self.kind = kind
+
+    def run(self, tag: str, op: str, args: Any) -> None:
+        if self.kind == "emu":
+            getattr(self.lib, f"ott2_emu_{tag}_{op}")(args, self.ffi.NULL)
+        else:
+            rc = getattr(self.lib, f"ott2_cudatest_{tag}_{op}")(args)
+            if rc != 0:
+                raise RuntimeError(f"CUDA error {rc} in {op}")
+
+
+def build_emu(src: Path, tags: list[str], out: Path) -> Path:
+    """The emulation as a shared library: the CUDA kernels' bodies compiled as C++ for this CPU."""
+    lib = out / "libott_cuda_emu.so"
+    srcs = [str(src / f"ott2-emu-{t}.cpp") for t in tags]
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed to build the CUDA emulation"
+    # -ffp-contract=off: the CUDA kernels' __f*_rn arithmetic is never fused
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared",
+                    "-I", str(src), *srcs, "-o", str(lib)], check=True)  # fmt: skip
+    return lib
+
+
+def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "native") -> Path:
+    lib = out / "libott_cuda_test.so"
+    srcs = [str(src / f"ott2-cuda-{t}.cu") for t in tags]
+    subprocess.run(["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler",
+                    "-fPIC", "-I", str(src), *srcs, "-o", str(lib)], check=True)  # fmt: skip
+    return lib
+
+
+@dataclass
+class LayerState:
+    """One layer's ott2 tensors for n_stream streams, H KV heads of dimension D (the cache's layouts)."""
+
+    cfg: ref.OttConfig
+    outlier_num: int
+    D: int
+    H: int
+    n_head: int
+    n_stream: int
+    n_ctx: int
+    arrays: dict[str, np.ndarray] = field(init=False)
+    n_pos: list[int] = field(init=False)
+    n_sealed: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        c, D, H, ns = self.cfg, self.D, self.H, self.n_stream
+        self.T = c.R + c.G
+        self.S = self.outlier_num + c.aux_cap
+        self.NG = (self.n_ctx + c.G - 1) // c.G
+        self.KB = 4 + c.G * c.bits // 8
+        self.VB = 4 + c.Gv * c.bits // 8
+        self.arrays = {
+            "ring": np.zeros((2 * ns, self.T, H, D), np.uint16),
+            "sk": np.zeros((ns, H, self.NG, D * self.KB), np.uint8),
+            "sv": np.zeros((ns, H, self.NG, c.G * (D // c.Gv) * self.VB), np.uint8),
+            "pkv": np.zeros((H * ns, 2, self.S, D), np.uint16),
+            "pmeta": np.zeros((ns, H, 2 * self.S + 3), np.int32),
+            "flags": np.zeros(ns, np.int32),
+        }
+        self.arrays["pmeta"][:, :, 2 * self.S + 2] = 1  # tracing on
+        self.n_pos = [0] * ns
+        self.n_sealed = [0] * ns
+
+    def sealed_after(self, n_pos: int) -> int:
+        return (n_pos - self.cfg.R) // self.cfg.G if n_pos >= self.cfg.R else 0
+
+    def _args(self, ffi: cffi.FFI, keep: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray,
+              plan: np.ndarray, NS: int, n_tok: int) -> Any:  # fmt: skip
+        def ptr(t: str, a: np.ndarray) -> Any:
+            assert a.flags.c_contiguous
+            keep.append(a)
+            return ffi.cast(t, ffi.from_buffer(a))
+
+        a = ffi.new("ott_cu_args *")
+        a.D, a.H, a.n_head, a.T, a.S, a.NG = self.D, self.H, self.n_head, self.T, self.S, self.NG
+        a.NS, a.ns, a.n_tok, a.n_stream = NS, plan.shape[0], n_tok, self.n_stream
+        a.outlier_num, a.aux_cap, a.scale = self.outlier_num, self.cfg.aux_cap, 1.0 / math.sqrt(self.D)
+        a.q, a.k, a.v = ptr("float *", q), ptr("float *", k), ptr("float *", v)
+        A = self.arrays
+        a.ring, a.sk, a.sv = ptr("uint16_t *", A["ring"]), ptr("uint8_t *", A["sk"]), ptr("uint8_t *", A["sv"])
+        a.pkv, a.pmeta, a.flags = ptr("uint16_t *", A["pkv"]), ptr("int32_t *", A["pmeta"]), ptr("int32_t *", A["flags"])
+        a.plan = ptr("int32_t *", plan)
+        return a
+
+    def step(self, lib: OpsLib, tag: str, streams: list[int], q: np.ndarray, k: np.ndarray, v: np.ndarray,
+             NS: int) -> np.ndarray:  # fmt: skip
+        """One ubatch: n_tok tokens for each stream in `streams` (q (ns, n_tok, n_head, D), k and v
+        (ns, n_tok, H, D)); returns the attention output (ns, n_tok, n_head, D)."""
+        ns, n_tok = q.shape[0], q.shape[1]
+        plan = np.array([[s, self.n_pos[s], self.n_sealed[s], max(self.n_sealed[s], self.sealed_after(
+            self.n_pos[s] + n_tok))] for s in streams], np.int32)  # fmt: skip
+        q = np.ascontiguousarray(q, np.float32)
+        k = np.ascontiguousarray(k, np.float32)
+        v = np.ascontiguousarray(v, np.float32)
+        gq = self.n_head // self.H
+        keep: list[Any] = []
+        a = self._args(lib.ffi, keep, q, k, v, plan, NS, n_tok)
+        part = np.full((ns * (NS + 1), self.H, gq * n_tok, self.D + 2), np.nan, np.float32)
+        out = np.full((ns, n_tok, self.n_head, self.D), np.nan, np.float32)
+        a.part = lib.ffi.cast("float *", lib.ffi.from_buffer(part))
+        a.out = lib.ffi.cast("float *", lib.ffi.from_buffer(out))
+        lib.run(tag, "attn", a)
+        scratch = np.zeros(ns * self.H * 2 * self.cfg.G * self.D, np.uint16)
+        a.scratch = lib.ffi.cast("uint16_t *", lib.ffi.from_buffer(scratch))
+        lib.run(tag, "seal", a)
+        for row in plan:
+            self.n_pos[row[0]] += n_tok
+            self.n_sealed[row[0]] = int(row[3])
+        return out
+
+    # --- reading the state back, in the reference's terms
+
+    def pools(self, s: int, h: int) -> tuple[ref.Pool, ref.Pool, bool]:
+        meta = self.arrays["pmeta"][s, h]
+        S, O = self.S, self.outlier_num
+        n_pool, n_aux, tracing = int(meta[2 * S]), int(meta[2 * S + 1]), bool(meta[2 * S + 2])
+        kv = self.arrays["pkv"][h + self.H * s]
+
+        def pool(slots: range) -> ref.Pool:
+            idx = np.array(list(slots), np.int64)
+            return ref.Pool(
+                pos=meta[2 * idx].astype(np.int64),
+                k=kv[0, idx].view(np.float16),
+                v=kv[1, idx].view(np.float16),
+                score=meta[2 * idx + 1].view(np.float32),
+            )
+
+        return pool(range(n_pool)), pool(range(O, O + n_aux)), tracing
+
+    def ring_rows(self, s: int, h: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r = self.arrays["ring"]
+        return r[2 * s, pos % self.T, h].view(np.float16), r[2 * s + 1, pos % self.T, h].view(np.float16)

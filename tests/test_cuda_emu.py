@@ -1,0 +1,144 @@
+"""The CUDA ops' logic, run on the CPU (and on a GPU where there is one), against the numpy reference.
+
+gen/templates/ott_cuda_ops.j2 is rendered as CUDA and a second time as C++ in which a launch loops over the
+blocks and each barrier phase over the threads, with the shared-memory tree reductions the GPU runs. Several
+streams of ubatches (prefill and decode sizes) go through attention and seal exactly as the graph runs them;
+after each ubatch the attention output must match the reference with the int8 query within fp32 rounding, and
+the state (codes, scales, mins, pools, scores, the tracing flag, the ring) must equal the reference's bit for bit.
+
+What this cannot prove: data races and barrier placement on real hardware (the emulation runs the threads of a
+phase one after another, so a read of a value another thread writes in the same phase goes unnoticed unless
+the order matters), warp scheduling, occupancy, and the exact ulps of the GPU's expf. The GPU test
+(`test_cuda_ops_on_gpu`, run by `make gpu-test` on a CUDA machine) runs the same comparison on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuda_ops import LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_tag
+from helpers import keys_values, pack_group
+from ott_gguf import reference as ref
+
+HEADS = [(2, 128, 64), (2, 64, 32), (4, 128, 64)]
+TAGS = [head_tag(*h) for h in HEADS]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("cuda-gen"), ",".join(f"{b}:{g}:{gv}" for b, g, gv in HEADS))
+
+
+@pytest.fixture(scope="module")
+def emu(sources: Path) -> OpsLib:
+    return OpsLib(build_emu(sources, TAGS, sources), "emu", TAGS)
+
+
+def has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None or shutil.which("nvcc") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+# (bits, G, Gv), D, H, n_head, outlier_num, aux_cap: SmolLM2's head shape, Gemma 3's (D 256, one KV head),
+# kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group
+CASES = [
+    ((2, 128, 64), 64, 3, 9, 3, 32),
+    ((2, 128, 64), 256, 1, 4, 3, 32),
+    ((2, 128, 64), 64, 2, 4, 0, 32),
+    ((2, 128, 64), 64, 2, 4, 3, 1),
+    ((4, 128, 64), 64, 2, 4, 3, 32),
+    ((2, 64, 32), 64, 2, 6, 2, 8),
+]
+# ubatch sizes; each step feeds both streams, "1" steps are decode (NS = 8 slices, as the cache uses)
+SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
+
+
+def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
+    (bits, G, Gv), D, H, n_head, outlier_num, aux_cap = case
+    tag = head_tag(bits, G, Gv)
+    cfg = ref.OttConfig(bits=bits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap, no_outlier_layers=0)
+    rng = np.random.default_rng(seed)
+    n_total = sum(SCHEDULE)
+    n_stream = 2
+    st = LayerState(cfg, outlier_num, D, H, n_head, n_stream, n_ctx=n_total + 8)
+    caches = [ref.OttCache(cfg, 1, H, D) for _ in range(n_stream)]
+    kv = []
+    for _ in range(n_stream):
+        per_head = [keys_values(rng, n_total, D) for _ in range(H)]
+        kv.append((np.stack([p[0] for p in per_head], 1), np.stack([p[1] for p in per_head], 1)))
+    scale = 1.0 / math.sqrt(D)
+    start = 0
+    for n in SCHEDULE:
+        q = (rng.standard_normal((n_stream, n, n_head, D)) * 0.5).astype(np.float32)
+        k = np.stack([kv[s][0][start : start + n] for s in range(n_stream)])
+        v = np.stack([kv[s][1][start : start + n] for s in range(n_stream)])
+        got = st.step(lib, tag, list(range(n_stream)), q, k, v, NS=8 if n <= 4 else 1)
+        for s in range(n_stream):
+            want = caches[s].process_ubatch(0, 0, q[s], k[s], v[s], np.arange(start, start + n), scale, int8_query=True)
+            assert want is not None
+            vmax = max(float(np.abs(caches[s].state(0, 0, h).served()[2]).max()) for h in range(H))
+            np.testing.assert_allclose(got[s], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"stream {s} at {start}")
+        start += n
+        for s in range(n_stream):
+            for h in range(H):
+                check_state(st, caches[s].state(0, 0, h), cfg, s, h)
+    # every path ran: groups were sealed, outliers traced (where configured)
+    s0 = caches[0].state(0, 0, 0)
+    assert s0.n_sealed >= 4
+    if outlier_num:
+        assert len(s0.pooled()) > 0
+
+
+def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int, h: int) -> None:
+    assert st.n_sealed[s] == want.n_sealed and st.n_pos[s] == want.n_pos
+    for g in want.groups:
+        kq, vq = pack_group(g, cfg)
+        np.testing.assert_array_equal(st.arrays["sk"][s, h, g.index], kq.reshape(-1), err_msg=f"K of group {g.index}")
+        np.testing.assert_array_equal(st.arrays["sv"][s, h, g.index], vq.reshape(-1), err_msg=f"V of group {g.index}")
+    pool, aux, tracing = st.pools(s, h)
+    for got, exp, what in ((pool, want.pool, "outlier pool"), (aux, want.aux, "aux pool")):
+        assert got.pos.tolist() == exp.pos.tolist(), what
+        np.testing.assert_array_equal(got.score, exp.score.astype(np.float32), err_msg=what)
+        np.testing.assert_array_equal(got.k.view(np.uint16), exp.k.view(np.uint16), err_msg=what)
+        np.testing.assert_array_equal(got.v.view(np.uint16), exp.v.view(np.uint16), err_msg=what)
+    assert tracing == want.tracing
+    rk, rv = st.ring_rows(s, h, want.tail_pos)
+    np.testing.assert_array_equal(rk.view(np.uint16), want.tail_k.view(np.uint16), err_msg="ring K")
+    np.testing.assert_array_equal(rv.view(np.uint16), want.tail_v.view(np.uint16), err_msg="ring V")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{head_tag(*c[0])}-D{c[1]}-H{c[2]}x{c[3]}-o{c[4]}a{c[5]}")
+def test_emulated_cuda_ops_match_reference(emu: OpsLib, case: tuple) -> None:
+    run_scenario(emu, case)
+
+
+def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
+    """A ubatch for stream 1 alone (the plan maps ubatch streams to cache streams); a NaN in K marks only
+    that stream, and its tokens are still written where the CPU op writes them."""
+    cfg = ref.OttConfig(no_outlier_layers=0)
+    D, H, n_head = 64, 2, 4
+    st = LayerState(cfg, 3, D, H, n_head, n_stream=3, n_ctx=512)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 5, n_head, D)).astype(np.float32)
+    k = rng.standard_normal((1, 5, H, D)).astype(np.float32)
+    v = rng.standard_normal((1, 5, H, D)).astype(np.float32)
+    out = st.step(emu, TAGS[0], [1], q, k, v, NS=1)
+    assert np.isfinite(out).all()
+    assert st.n_pos == [0, 5, 0] and st.arrays["flags"].tolist() == [0, 0, 0]
+    k[0, 2, 1, 7] = np.nan
+    st.step(emu, TAGS[0], [1], q, k, v, NS=1)
+    assert st.arrays["flags"].tolist() == [0, 1, 0]
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU and nvcc (run on a CUDA machine: make gpu-test)")
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"{head_tag(*c[0])}-D{c[1]}")
+def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
+    lib = OpsLib(build_cuda_testlib(sources, TAGS, tmp_path), "cuda", TAGS)
+    run_scenario(lib, case)
