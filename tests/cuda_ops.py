@@ -140,7 +140,8 @@ class LayerState:
         a.q, a.k, a.v = ptr("float *", q), ptr("float *", k), ptr("float *", v)
         A = self.arrays
         a.ring, a.sk, a.sv = ptr("uint16_t *", A["ring"]), ptr("uint8_t *", A["sk"]), ptr("uint8_t *", A["sv"])
-        a.pkv, a.pmeta, a.flags = ptr("uint16_t *", A["pkv"]), ptr("int32_t *", A["pmeta"]), ptr("int32_t *", A["flags"])
+        a.pkv, a.pmeta = ptr("uint16_t *", A["pkv"]), ptr("int32_t *", A["pmeta"])
+        a.flags = ptr("int32_t *", A["flags"])
         a.plan = ptr("int32_t *", plan)
         return a
 
@@ -174,7 +175,7 @@ class LayerState:
 
     def pools(self, s: int, h: int) -> tuple[ref.Pool, ref.Pool, bool]:
         meta = self.arrays["pmeta"][s, h]
-        S, O = self.S, self.outlier_num
+        S, n_out = self.S, self.outlier_num
         n_pool, n_aux, tracing = int(meta[2 * S]), int(meta[2 * S + 1]), bool(meta[2 * S + 2])
         kv = self.arrays["pkv"][h + self.H * s]
 
@@ -187,7 +188,7 @@ class LayerState:
                 score=meta[2 * idx + 1].view(np.float32),
             )
 
-        return pool(range(n_pool)), pool(range(O, O + n_aux)), tracing
+        return pool(range(n_pool)), pool(range(n_out, n_out + n_aux)), tracing
 
     def ring_rows(self, s: int, h: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         r = self.arrays["ring"]

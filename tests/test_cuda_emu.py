@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cuda_ops import LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_tag
-from helpers import keys_values, pack_group
+
 from ott_gguf import reference as ref
+
+from helpers import keys_values, pack_group
 
 HEADS = [(2, 128, 64), (2, 64, 32), (4, 128, 64)]
 TAGS = [head_tag(*h) for h in HEADS]
