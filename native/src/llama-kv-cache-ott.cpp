@@ -13,6 +13,7 @@
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "ggml-ott.h"
 
 #include <algorithm>
 #include <cmath>
@@ -48,13 +49,6 @@ bool llama_ott_selected(ggml_type type_k, ggml_type type_v) {
     return type_k == GGML_TYPE_OTT2 || type_v == GGML_TYPE_OTT2;
 }
 
-// userdata of the two graph ops of one layer; lives as long as the cache
-struct ott_op_params {
-    uint32_t D, H, n_head, G, Gv, T, S, NG, n_stream;
-    int32_t  outlier_num, aux_cap;
-    float    scale;
-    uint8_t * poisoned; // [n_stream]: set by the seal op when a stream's new K/V are not finite
-};
 
 struct ott_layer {
     int32_t il;
@@ -63,7 +57,8 @@ struct ott_layer {
     ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
     ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
     ggml_tensor * pool_meta = nullptr; // I32 [2S + 3, H, n_stream]: S x (pos, score), n_pool, n_aux, tracing
-    ott_op_params op;
+    ggml_tensor * flags     = nullptr; // I32 [n_stream]: set by the seal op when a stream's new K/V are not finite
+    ggml_ott_params op;
 };
 
 struct ott_stream {
@@ -116,13 +111,11 @@ public:
     void slots_in_use(int64_t & n_outlier, int64_t & n_aux) const {
         n_outlier = n_aux = 0;
         for (const auto & L : layers) {
-            for (uint32_t s = 0; s < n_stream; ++s) {
-                for (uint32_t h = 0; h < L.op.H; ++h) {
-                    const int32_t * meta = (const int32_t *) ((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] +
-                                                              s*L.pool_meta->nb[2]);
-                    n_outlier += meta[2*L.op.S];
-                    n_aux += meta[2*L.op.S + 1];
-                }
+            std::vector<int32_t> meta(ggml_nelements(L.pool_meta));
+            ggml_backend_tensor_get(L.pool_meta, meta.data(), 0, ggml_nbytes(L.pool_meta));
+            for (size_t i = 0; i < meta.size(); i += L.pool_meta->ne[0]) {
+                n_outlier += meta[i + 2*L.op.S];
+                n_aux += meta[i + 2*L.op.S + 1];
             }
         }
     }
@@ -133,6 +126,7 @@ public:
     const uint32_t n_ctx_seq;
     std::vector<ott_stream> streams;
     std::vector<uint8_t> poisoned; // per stream: non-finite K/V were computed; refused until the stream is reset
+    void read_flags();             // the seal ops' marks into `poisoned` (before planning a batch)
 
 private:
     void reset_stream_meta(uint32_t s);
@@ -140,8 +134,9 @@ private:
 
     std::vector<ott_layer> layers;
     std::vector<int32_t> layer_ids;
-    ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buf = nullptr;
+    std::vector<ggml_context *> ctxs;         // one per buffer type (the layers' devices)
+    std::vector<ggml_backend_buffer_t> bufs;
+    size_t bytes_total = 0;
     size_t bytes_quant = 0, bytes_tail = 0, bytes_pool = 0;
 };
 
@@ -188,20 +183,44 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
     const uint32_t S = std::max<uint32_t>(1, p.outlier_num + p.aux_cap);
     const uint32_t NG = (n_ctx_seq + G - 1) / G;
 
-    ggml_init_params ip = {
-        /*.mem_size   =*/ size_t(5u*n_layer + 1)*ggml_tensor_overhead(),
-        /*.mem_buffer =*/ NULL,
-        /*.no_alloc   =*/ true,
+    // a layer's cache lives on its layer's device (offloaded layers: their GPU), as llama_kv_cache places K/V
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    auto ctx_for = [&](ggml_backend_buffer_type_t buft) {
+        auto it = ctx_of.find(buft);
+        if (it != ctx_of.end()) {
+            return it->second;
+        }
+        ggml_init_params ip = {
+            /*.mem_size   =*/ size_t(6u*n_layer + 1)*ggml_tensor_overhead(),
+            /*.mem_buffer =*/ NULL,
+            /*.no_alloc   =*/ true,
+        };
+        ggml_context * c = ggml_init(ip);
+        if (!c) {
+            throw std::runtime_error("ott2: failed to create the ggml context");
+        }
+        ctx_of[buft] = c;
+        ctxs.push_back(c);
+        return c;
     };
-    ctx = ggml_init(ip);
-    if (!ctx) {
-        throw std::runtime_error("ott2: failed to create the ggml context");
-    }
     layer_ids.assign(n_layer, -1);
     for (uint32_t il = 0; il < n_layer; ++il) {
         if (filter && !filter((int32_t) il)) {
             continue;
         }
+        ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
+        if (cparams.offload_kqv) {
+            ggml_backend_dev_t dev = model.dev_layer(il);
+            const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+            if (reg != "CPU" && reg != "CUDA") {
+                // the ops exist for the CPU and CUDA only: refuse rather than move the cache behind the user's back
+                throw std::runtime_error("ott2: layer " + std::to_string(il) + " is offloaded to " + reg +
+                                         ", which has no ott2 ops (CPU and CUDA have); offload to CUDA, or keep the "
+                                         "K/V cache on the CPU (no_kv_offload / -nkvo)");
+            }
+            buft = ggml_backend_dev_buffer_type(dev);
+        }
+        ggml_context * ctx = ctx_for(buft);
         const uint32_t D = hparams.n_embd_head_k(il);
         const uint32_t H = hparams.n_head_kv(il);
         ott_layer L;
@@ -211,30 +230,39 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
         L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*OTT2_HEAD_VB, NG, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 2*S + 3, H, n_stream);
+        L.flags     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_stream);
         ggml_format_name(L.ring, "ott_ring_l%d", il);
         ggml_format_name(L.sealed_k, "ott_sealed_k_l%d", il);
         ggml_format_name(L.sealed_v, "ott_sealed_v_l%d", il);
         ggml_format_name(L.pool_kv, "ott_pool_kv_l%d", il);
         ggml_format_name(L.pool_meta, "ott_pool_meta_l%d", il);
-        L.op = { D, H, hparams.n_head(il), G, Gv, T, S, NG, n_stream,
-                 (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num), (int32_t) p.aux_cap, 1.0f, nullptr };
+        ggml_format_name(L.flags, "ott_flags_l%d", il);
+        L.op = { (int32_t) D, (int32_t) H, (int32_t) hparams.n_head(il), (int32_t) G, (int32_t) Gv, (int32_t) T,
+                 (int32_t) S, (int32_t) NG, (int32_t) n_stream, (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num),
+                 (int32_t) p.aux_cap, 1, 1.0f };
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
         bytes_tail  += ggml_nbytes(L.ring);
-        bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta);
+        bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta) + ggml_nbytes(L.flags);
         layer_ids[il] = (int32_t) layers.size();
         layers.push_back(L);
     }
-    // host memory: the ops are CPU ops for now (the CUDA versions come from the same templates)
-    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
-    if (!buf) {
-        throw std::runtime_error("ott2: failed to allocate the cache buffer");
+    for (auto & [buft, c] : ctx_of) {
+        ggml_backend_buffer_t b = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
+        if (!b) {
+            throw std::runtime_error(std::string("ott2: failed to allocate the cache buffer (") +
+                                     ggml_backend_buft_name(buft) + ")");
+        }
+        // weights usage: the scheduler runs an op where such a source lives, so the ops go to the cache's
+        // device and the state, written in place, is never copied to another backend
+        ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(b, 0);
+        bytes_total += ggml_backend_buffer_get_size(b);
+        bufs.push_back(b);
+        LLAMA_LOG_INFO("%s: ott2 cache on %s: %7.2f MiB\n", __func__, ggml_backend_buft_name(buft),
+                       ggml_backend_buffer_get_size(b)/1048576.0);
     }
-    ggml_backend_buffer_clear(buf, 0);
     streams.assign(n_stream, {});
     poisoned.assign(n_stream, 0);
-    for (auto & L : layers) {
-        L.op.poisoned = poisoned.data();
-    }
     for (uint32_t s = 0; s < n_stream; ++s) {
         reset_stream_meta(s);
     }
@@ -243,25 +271,42 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
                    "kernels %s\n", __func__, layers.size(), n_stream, n_ctx_seq, G, p.R, Gv, p.outlier_num, p.aux_cap,
                    p.no_outlier_layers, ott2_head_isa());
     LLAMA_LOG_INFO("%s: ott2 cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
-                   __func__, ggml_backend_buffer_get_size(buf)/1048576.0, bytes_quant/1048576.0,
+                   __func__, bytes_total/1048576.0, bytes_quant/1048576.0,
                    bytes_tail/1048576.0, bytes_pool/1048576.0);
 }
 
 llama_kv_cache_ott::~llama_kv_cache_ott() {
-    ggml_backend_buffer_free(buf);
-    ggml_free(ctx);
+    for (auto * b : bufs) {
+        ggml_backend_buffer_free(b);
+    }
+    for (auto * c : ctxs) {
+        ggml_free(c);
+    }
 }
 
 void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {
     for (auto & L : layers) {
-        for (uint32_t h = 0; h < L.op.H; ++h) {
-            int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
-            memset(meta, 0, L.pool_meta->ne[0]*sizeof(int32_t));
-            meta[2*L.op.S + 2] = 1; // tracing on
+        std::vector<int32_t> meta((size_t) L.pool_meta->ne[0]*L.op.H, 0);
+        for (int32_t h = 0; h < L.op.H; ++h) {
+            meta[(size_t) h*L.pool_meta->ne[0] + 2*L.op.S + 2] = 1; // tracing on
         }
+        ggml_backend_tensor_set(L.pool_meta, meta.data(), s*L.pool_meta->nb[2], meta.size()*sizeof(int32_t));
+        const int32_t zero = 0;
+        ggml_backend_tensor_set(L.flags, &zero, s*sizeof(int32_t), sizeof(int32_t));
     }
     streams[s] = {};
     poisoned[s] = 0;
+}
+
+// the seal ops' non-finite marks (in each layer's memory, CPU or GPU) into `poisoned`
+void llama_kv_cache_ott::read_flags() {
+    std::vector<int32_t> f(n_stream);
+    for (auto & L : layers) {
+        ggml_backend_tensor_get(L.flags, f.data(), 0, n_stream*sizeof(int32_t));
+        for (uint32_t s = 0; s < n_stream; ++s) {
+            poisoned[s] |= f[s] != 0;
+        }
+    }
 }
 
 // why the ott2 cache cannot serve this model ("" when it can)
@@ -307,11 +352,6 @@ llama_memory_i * llama_kv_cache_ott_create(const llama_model & model, const llam
     const std::string why = ott_model_problem(model, hparams);
     if (!why.empty()) {
         throw std::runtime_error("ott2: " + why);
-    }
-    if (model.n_devices() > 0 && model.n_gpu_layers() > 0) {
-        // its ops are CPU ops for now: refuse rather than run the cache on the CPU behind the user's back
-        throw std::runtime_error("ott2: the cache runs on the CPU only in this build (no GPU ops yet): load the model "
-                                 "with n_gpu_layers=0 (-ngl 0) or use another K/V cache type on the GPU");
     }
     const llama_ott_params & p = llama_ott_default_params();
     if (p.G != OTT2_HEAD_G) {
@@ -404,6 +444,7 @@ llama_memory_context_ptr llama_kv_cache_ott::init_batch(llama_batch_allocr & bal
     GGML_UNUSED(embd_all);
     std::vector<llama_ubatch> ubatches;
     std::vector<std::vector<llama_ott_stream_plan>> plans;
+    read_flags();
     if (!plan_batch(balloc, n_ubatch, ubatches, plans)) {
         return std::make_unique<llama_kv_cache_ott_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }
@@ -431,7 +472,9 @@ void llama_kv_cache_ott::commit(const std::vector<llama_ott_stream_plan> & plan,
 
 void llama_kv_cache_ott::clear(bool data) {
     if (data) {
-        ggml_backend_buffer_clear(buf, 0);
+        for (auto * b : bufs) {
+            ggml_backend_buffer_clear(b, 0);
+        }
     }
     for (uint32_t s = 0; s < n_stream; ++s) {
         reset_stream_meta(s);
@@ -480,46 +523,54 @@ bool llama_kv_cache_ott::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1)
 void llama_kv_cache_ott::unseal(uint32_t s, llama_pos p0) {
     const int32_t G = (int32_t) p.G;
     const int32_t g = p0 / G, lo = g*G, n_keep = p0 - lo;
+    // a rare memory operation: the head's group, pools and meta come to the host (wherever the cache lives),
+    // are edited there and written back
     for (auto & L : layers) {
-        const uint32_t D = L.op.D, S = L.op.S, O = (uint32_t) L.op.outlier_num;
-        std::vector<uint16_t> k((size_t) G*D), v((size_t) G*D);
-        for (uint32_t h = 0; h < L.op.H; ++h) {
-            const char * skb = (const char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*L.sealed_k->nb[1];
-            const char * svb = (const char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3] + g*L.sealed_v->nb[1];
-            ott2_head_unseal((int) D, skb, svb, n_keep, k.data(), v.data());
-            int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
-            ott_slot_meta * slots = (ott_slot_meta *) meta;
-            uint16_t * pool = (uint16_t *) ((char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3]);
+        const int32_t D = L.op.D, S = L.op.S, O = L.op.outlier_num;
+        const size_t row = (size_t) D*sizeof(uint16_t);
+        std::vector<uint16_t> k((size_t) G*D), v((size_t) G*D), pool((size_t) 2*S*D);
+        std::vector<char> skb(L.sealed_k->nb[1]), svb(L.sealed_v->nb[1]);
+        std::vector<int32_t> meta(L.pool_meta->ne[0]);
+        for (int32_t h = 0; h < L.op.H; ++h) {
+            ggml_backend_tensor_get(L.sealed_k, skb.data(), h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*L.sealed_k->nb[1], skb.size());
+            ggml_backend_tensor_get(L.sealed_v, svb.data(), h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3] + g*L.sealed_v->nb[1], svb.size());
+            ott2_head_unseal((int) D, skb.data(), svb.data(), n_keep, k.data(), v.data());
+            const size_t meta_off = h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2];
+            const size_t pool_off = (h + L.op.H*s)*L.pool_kv->nb[3];
+            ggml_backend_tensor_get(L.pool_meta, meta.data(), meta_off, meta.size()*sizeof(int32_t));
+            ggml_backend_tensor_get(L.pool_kv, pool.data(), pool_off, pool.size()*sizeof(uint16_t));
+            ott_slot_meta * slots = (ott_slot_meta *) meta.data();
             // the pools: entries inside [lo, p0) cover their placeholders, entries from lo on are dropped
             const int32_t counts[2] = { meta[2*S], meta[2*S + 1] };
-            const uint32_t base[2] = { 0, O };
+            const int32_t base[2] = { 0, O };
             for (int which = 0; which < 2; ++which) {
                 int32_t kept = 0;
                 for (int32_t i = 0; i < counts[which]; ++i) {
-                    const uint32_t slot = base[which] + (uint32_t) i;
+                    const int32_t slot = base[which] + i;
                     const int32_t pos = slots[slot].pos;
                     if (pos >= lo && pos < p0) {
-                        memcpy(&k[(size_t) (pos - lo)*D], pool + (size_t) slot*D, D*sizeof(uint16_t));
-                        memcpy(&v[(size_t) (pos - lo)*D], pool + (size_t) (S + slot)*D, D*sizeof(uint16_t));
+                        memcpy(&k[(size_t) (pos - lo)*D], &pool[(size_t) slot*D], row);
+                        memcpy(&v[(size_t) (pos - lo)*D], &pool[(size_t) (S + slot)*D], row);
                     }
                     if (pos >= lo) {
                         continue;
                     }
-                    const uint32_t dst = base[which] + (uint32_t) kept++;
+                    const int32_t dst = base[which] + kept++;
                     if (dst != slot) {
                         slots[dst] = slots[slot];
-                        memcpy(pool + (size_t) dst*D, pool + (size_t) slot*D, D*sizeof(uint16_t));
-                        memcpy(pool + (size_t) (S + dst)*D, pool + (size_t) (S + slot)*D, D*sizeof(uint16_t));
+                        memcpy(&pool[(size_t) dst*D], &pool[(size_t) slot*D], row);
+                        memcpy(&pool[(size_t) (S + dst)*D], &pool[(size_t) (S + slot)*D], row);
                     }
                 }
                 meta[2*S + which] = kept;
             }
+            ggml_backend_tensor_set(L.pool_meta, meta.data(), meta_off, meta.size()*sizeof(int32_t));
+            ggml_backend_tensor_set(L.pool_kv, pool.data(), pool_off, pool.size()*sizeof(uint16_t));
             for (int32_t t = 0; t < n_keep; ++t) {
                 const int32_t pos = lo + t;
-                char * rk = (char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] + (2*s + 0)*L.ring->nb[3];
-                char * rv = (char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] + (2*s + 1)*L.ring->nb[3];
-                memcpy(rk, &k[(size_t) t*D], D*sizeof(uint16_t));
-                memcpy(rv, &v[(size_t) t*D], D*sizeof(uint16_t));
+                const size_t off = h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2];
+                ggml_backend_tensor_set(L.ring, &k[(size_t) t*D], off + (2*s + 0)*L.ring->nb[3], row);
+                ggml_backend_tensor_set(L.ring, &v[(size_t) t*D], off + (2*s + 1)*L.ring->nb[3], row);
             }
         }
     }
@@ -540,15 +591,21 @@ void llama_kv_cache_ott::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
         const std::pair<ggml_tensor *, size_t> per_stream[] = {
             { L.sealed_k, L.sealed_k->nb[3] }, { L.sealed_v, L.sealed_v->nb[3] }, { L.pool_meta, L.pool_meta->nb[2] },
         };
-        for (const auto & [t, sz] : per_stream) {
-            memcpy((char *) t->data + seq_id_dst*sz, (char *) t->data + seq_id_src*sz, sz);
+        const std::pair<ggml_tensor *, size_t> more[] = {
+            { L.ring, 2*L.ring->nb[3] }, { L.pool_kv, L.op.H*L.pool_kv->nb[3] }, { L.flags, sizeof(int32_t) },
+        };
+        std::vector<char> tmp;
+        for (const auto & list : { std::vector<std::pair<ggml_tensor *, size_t>>(std::begin(per_stream), std::end(per_stream)),
+                                   std::vector<std::pair<ggml_tensor *, size_t>>(std::begin(more), std::end(more)) }) {
+            for (const auto & [t, sz] : list) {
+                tmp.resize(sz);
+                ggml_backend_tensor_get(t, tmp.data(), seq_id_src*sz, sz);
+                ggml_backend_tensor_set(t, tmp.data(), seq_id_dst*sz, sz);
+            }
         }
-        const size_t ring_sz = 2*L.ring->nb[3];
-        memcpy((char *) L.ring->data + seq_id_dst*ring_sz, (char *) L.ring->data + seq_id_src*ring_sz, ring_sz);
-        const size_t pool_sz = L.op.H*L.pool_kv->nb[3];
-        memcpy((char *) L.pool_kv->data + seq_id_dst*pool_sz, (char *) L.pool_kv->data + seq_id_src*pool_sz, pool_sz);
     }
     streams[seq_id_dst] = streams[seq_id_src];
+    poisoned[seq_id_dst] = poisoned[seq_id_src];
 }
 
 void llama_kv_cache_ott::seq_keep(llama_seq_id seq_id) {
@@ -592,7 +649,30 @@ llama_pos llama_kv_cache_ott::seq_pos_max(llama_seq_id seq_id) const {
 }
 
 std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_ott::memory_breakdown() const {
-    return { { ggml_backend_buffer_get_type(buf), ggml_backend_buffer_get_size(buf) } };
+    std::map<ggml_backend_buffer_type_t, size_t> out;
+    for (auto * b : bufs) {
+        out[ggml_backend_buffer_get_type(b)] += ggml_backend_buffer_get_size(b);
+    }
+    return out;
+}
+
+// state I/O of tensor bytes wherever the tensor lives (host or device memory)
+static void ott_write_tensor(llama_io_write_i & io, const ggml_tensor * t, size_t off, size_t n) {
+    if (n == 0) {
+        return;
+    }
+    std::vector<char> tmp(n);
+    ggml_backend_tensor_get(t, tmp.data(), off, n);
+    io.write(tmp.data(), n);
+}
+
+static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, size_t n) {
+    if (n == 0) {
+        return;
+    }
+    std::vector<char> tmp(n);
+    io.read(tmp.data(), n);
+    ggml_backend_tensor_set(t, tmp.data(), off, n);
 }
 
 // State: magic, version, the configuration and per-layer shapes (a state of another cache type or another
@@ -606,7 +686,7 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                               p.no_outlier_layers, (uint32_t) layers.size() };
     io.write(hdr, sizeof(hdr));
     for (const auto & L : layers) {
-        const uint32_t shape[4] = { L.op.D, L.op.H, L.op.T, L.op.S };
+        const uint32_t shape[4] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S };
         io.write(shape, sizeof(shape));
     }
     std::vector<uint32_t> which;
@@ -621,27 +701,28 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
         const int32_t rec[3] = { (int32_t) s, streams[s].n_pos, streams[s].n_sealed };
         io.write(rec, sizeof(rec));
         for (const auto & L : layers) {
-            for (uint32_t h = 0; h < L.op.H; ++h) {
+            for (int32_t h = 0; h < L.op.H; ++h) {
                 const size_t nsk = (size_t) streams[s].n_sealed*L.sealed_k->nb[1];
                 const size_t nsv = (size_t) streams[s].n_sealed*L.sealed_v->nb[1];
-                io.write((const char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
-                io.write((const char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
+                ott_write_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
+                ott_write_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
                 // the ring rows of the positions not sealed yet, then the pools' meta and their used slots only
                 for (int kv = 0; kv < 2; ++kv) {
                     for (int32_t pos = streams[s].n_sealed*(int32_t) p.G; pos < streams[s].n_pos; ++pos) {
-                        io.write((const char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
-                                 (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
+                        ott_write_tensor(io, L.ring, h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
+                                         (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
                     }
                 }
-                const int32_t * meta = (const int32_t *) ((const char *) L.pool_meta->data + h*L.pool_meta->nb[1] +
-                                                          s*L.pool_meta->nb[2]);
-                io.write(meta, L.pool_meta->nb[1]);
-                const char * pool = (const char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3];
+                std::vector<int32_t> meta(L.pool_meta->ne[0]);
+                ggml_backend_tensor_get(L.pool_meta, meta.data(), h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2],
+                                        L.pool_meta->nb[1]);
+                io.write(meta.data(), L.pool_meta->nb[1]);
+                const size_t pool = (h + L.op.H*s)*L.pool_kv->nb[3];
                 const size_t row = L.op.D*sizeof(ggml_fp16_t);
-                const uint32_t O = (uint32_t) L.op.outlier_num;
+                const int32_t O = L.op.outlier_num;
                 for (int kv = 0; kv < 2; ++kv) {
-                    io.write(pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
-                    io.write(pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
+                    ott_write_tensor(io, L.pool_kv, pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
+                    ott_write_tensor(io, L.pool_kv, pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
                 }
             }
         }
@@ -672,7 +753,7 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
     for (const auto & L : layers) {
         uint32_t shape[4];
         io.read(shape, sizeof(shape));
-        if (shape[0] != L.op.D || shape[1] != L.op.H || shape[2] != L.op.T || shape[3] != L.op.S) {
+        if (shape[0] != (uint32_t) L.op.D || shape[1] != (uint32_t) L.op.H || shape[2] != (uint32_t) L.op.T || shape[3] != (uint32_t) L.op.S) {
             throw std::runtime_error("ott2: the state's layer shapes differ from this model's");
         }
     }
@@ -695,28 +776,30 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
         }
         reset_stream_meta((uint32_t) s); // counters, pool meta and the non-finite mark start over
         for (auto & L : layers) {
-            for (uint32_t h = 0; h < L.op.H; ++h) {
-                io.read((char *) L.sealed_k->data + h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
-                io.read((char *) L.sealed_v->data + h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
+            for (int32_t h = 0; h < L.op.H; ++h) {
+                ott_read_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
+                ott_read_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
                 for (int kv = 0; kv < 2; ++kv) {
                     for (int32_t pos = rec[2]*(int32_t) p.G; pos < rec[1]; ++pos) {
-                        io.read((char *) L.ring->data + h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
-                                (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
+                        ott_read_tensor(io, L.ring, h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +
+                                        (2*s + kv)*L.ring->nb[3], L.op.D*sizeof(ggml_fp16_t));
                     }
                 }
-                int32_t * meta = (int32_t *) ((char *) L.pool_meta->data + h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2]);
-                io.read(meta, L.pool_meta->nb[1]);
-                const uint32_t O = (uint32_t) L.op.outlier_num;
-                if (meta[2*L.op.S] < 0 || (uint32_t) meta[2*L.op.S] > O || meta[2*L.op.S + 1] < 0 ||
-                    (uint32_t) meta[2*L.op.S + 1] > L.op.S - O) {
+                std::vector<int32_t> meta(L.pool_meta->ne[0]);
+                io.read(meta.data(), L.pool_meta->nb[1]);
+                const int32_t O = L.op.outlier_num;
+                if (meta[2*L.op.S] < 0 || meta[2*L.op.S] > O || meta[2*L.op.S + 1] < 0 ||
+                    meta[2*L.op.S + 1] > L.op.S - O) {
                     reset_stream_meta((uint32_t) s);
                     throw std::runtime_error("ott2: the state's pool counts are out of range (a corrupt state)");
                 }
-                char * pool = (char *) L.pool_kv->data + (h + L.op.H*s)*L.pool_kv->nb[3];
+                ggml_backend_tensor_set(L.pool_meta, meta.data(), h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2],
+                                        L.pool_meta->nb[1]);
+                const size_t pool = (h + L.op.H*s)*L.pool_kv->nb[3];
                 const size_t row = L.op.D*sizeof(ggml_fp16_t);
                 for (int kv = 0; kv < 2; ++kv) {
-                    io.read(pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
-                    io.read(pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
+                    ott_read_tensor(io, L.pool_kv, pool + (kv*L.op.S)*row, (size_t) meta[2*L.op.S]*row);
+                    ott_read_tensor(io, L.pool_kv, pool + (kv*L.op.S + O)*row, (size_t) meta[2*L.op.S + 1]*row);
                 }
             }
         }
@@ -809,256 +892,31 @@ std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ct
 
 // ------------------------------------------------------------------------------------------------- ops
 
-namespace {
-
-struct ott_views {
-    const ott_op_params & p;
-    const ggml_tensor * kc, * vc, * ring, * sk, * sv, * pkv, * pmeta, * plan;
-    int64_t ns, n_tok;
-
-    const int32_t * plan_of(int64_t si) const { return (const int32_t *) plan->data + 4*si; }
-    int32_t * meta(int32_t s, uint32_t h) const {
-        return (int32_t *) ((char *) pmeta->data + h*pmeta->nb[1] + s*pmeta->nb[2]);
-    }
-    uint16_t * pool(int32_t s, uint32_t h) const { return (uint16_t *) ((char *) pkv->data + (h + p.H*s)*pkv->nb[3]); }
-    uint16_t * ring_row(int32_t s, uint32_t h, int32_t pos, int kv) const {
-        return (uint16_t *) ((char *) ring->data + h*ring->nb[1] + (pos % p.T)*ring->nb[2] + (2*s + kv)*ring->nb[3]);
-    }
-    const float * cur_row(const ggml_tensor * t, uint32_t h, int64_t tok) const {
-        return (const float *) ((const char *) t->data + h*t->nb[1] + tok*t->nb[2]);
-    }
-    char * sealed(const ggml_tensor * t, int32_t s, uint32_t h) const {
-        return (char *) t->data + h*t->nb[2] + s*t->nb[3];
-    }
-};
-
-ott_views views_of(const ggml_tensor * dst, const ott_op_params & p) {
-    ott_views v{ p, dst->src[1], dst->src[2], dst->src[3], dst->src[4], dst->src[5], dst->src[6], dst->src[7],
-                 dst->src[8], 0, 0 };
-    v.ns = v.plan->ne[1];
-    v.n_tok = v.kc->ne[2] / v.ns;
-    return v;
-}
-
-// Attention runs as two ops. The partial op splits each (stream, KV head) into units: NS slices of the sealed
-// groups (decode: flash-decoding over the sequence, so a single head still keeps every thread busy) and the
-// fp16 tail, each for a chunk of OTT_TOK_CHUNK tokens of the ubatch (all of its query heads, so the codes of a
-// group are unpacked once for the GQA heads and tokens). A unit writes an online-softmax state per row into
-// `part`; the merge op combines the NS + 1 states of each row.
-constexpr int64_t OTT_TOK_CHUNK = 32;
-
-// rows of one (stream, KV head): row r = t*gq + k for ubatch token t and query head h*gq + k
-// part: F32 [D + 2, gq*n_tok, H, ns*(NS + 1)]: acc[0, D), M at D, L at D + 1
-void ott_attn_part_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ott_op_params & p = *(const ott_op_params *) userdata;
-    const ott_views v = views_of(dst, p);
-    const ggml_tensor * q = dst->src[0];
-    const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
-    const int64_t NS1 = dst->ne[3] / v.ns; // sealed slices + 1 tail unit
-    const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
-    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
-    // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
-    thread_local std::vector<float> scratch, qb, acc, M, L;
-    thread_local std::vector<int32_t> qpos, cj;
-    thread_local std::vector<uint16_t> ck, cv, tk, tv;
-    scratch.resize((size_t) 2*G*D + 16);
-    for (int64_t u = ith; u < v.ns*p.H*NS1*n_tc; u += nth) {
-        const int64_t tc = u % n_tc;
-        const int64_t k  = (u / n_tc) % NS1;
-        const uint32_t h = (uint32_t) ((u / n_tc / NS1) % p.H);
-        const int64_t si = u / (n_tc*NS1*p.H);
-        const int32_t * pl = v.plan_of(si);
-        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
-        const int64_t t0 = tc*OTT_TOK_CHUNK, t1 = std::min(v.n_tok, t0 + OTT_TOK_CHUNK);
-        const int64_t nr = (t1 - t0)*gq;
-        qb.resize((size_t) nr*D); qpos.resize(nr);
-        acc.assign((size_t) nr*D, 0.0f); M.assign(nr, -INFINITY); L.assign(nr, 0.0f);
-        for (int64_t t = t0; t < t1; ++t) {
-            for (uint32_t kq = 0; kq < gq; ++kq) {
-                const int64_t r = (t - t0)*gq + kq;
-                memcpy(&qb[(size_t) r*D], (const char *) q->data + (h*gq + kq)*q->nb[1] + (si*v.n_tok + t)*q->nb[2],
-                       D*sizeof(float));
-                qpos[r] = n_pos + (int32_t) t;
-            }
-        }
-        if (k < NS1 - 1) {
-            // sealed groups [g0, g1) of this slice; pooled tokens inside a group cover it
-            const int32_t g0 = (int32_t) (k*n_sealed/(NS1 - 1)), g1 = (int32_t) ((k + 1)*n_sealed/(NS1 - 1));
-            const int32_t * meta = v.meta(s, h);
-            const ott_slot_meta * slots = (const ott_slot_meta *) meta;
-            const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
-            const uint16_t * pool = v.pool(s, h);
-            for (int32_t g = g0; g < g1; ++g) {
-                cj.clear(); ck.clear(); cv.clear();
-                for (int32_t i = 0; i < n_pool + n_aux; ++i) {
-                    const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
-                    const int32_t j = slots[slot].pos - g*(int32_t) G;
-                    if (j >= 0 && j < (int32_t) G) {
-                        cj.push_back(j);
-                        ck.insert(ck.end(), pool + (size_t) slot*D, pool + (size_t) (slot + 1)*D);
-                        cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
-                    }
-                }
-                ott2_head_attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
-                                     v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
-                                     M.data(), L.data(), acc.data(), scratch.data());
-            }
-        } else {
-            // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
-            const int32_t lo = n_sealed*(int32_t) G;
-            const int64_t n_tail = (n_pos - lo) + t1;
-            tk.resize((size_t) n_tail*D); tv.resize((size_t) n_tail*D);
-            for (int32_t pos = lo; pos < n_pos; ++pos) {
-                memcpy(&tk[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
-                memcpy(&tv[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
-            }
-            for (int64_t t = 0; t < t1; ++t) { // rounded to fp16 as the ring will keep them
-                const size_t o = (size_t) (n_pos - lo + t)*D;
-                ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) &tk[o], D);
-                ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) &tv[o], D);
-            }
-            for (int64_t j0 = 0; j0 < n_tail; j0 += G) {
-                const int n_t = (int) std::min<int64_t>(G, n_tail - j0);
-                ott2_head_attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, lo + (int32_t) j0,
-                                    &tk[(size_t) j0*D], &tv[(size_t) j0*D], (int) D, M.data(), L.data(), acc.data(),
-                                    scratch.data());
-            }
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-            float * o = (float *) ((char *) dst->data + (t0*gq + r)*dst->nb[1] + h*dst->nb[2] + (si*NS1 + k)*dst->nb[3]);
-            memcpy(o, &acc[(size_t) r*D], D*sizeof(float));
-            o[D] = M[r];
-            o[D + 1] = L[r];
-        }
-    }
-}
-
-// out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row
-void ott_attn_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ott_op_params & p = *(const ott_op_params *) userdata;
-    const ggml_tensor * part = dst->src[0];
-    const uint32_t D = p.D, gq = p.n_head / p.H;
-    const int64_t n_rows = dst->ne[1]*dst->ne[2]; // (query head, token) over every stream
-    const int64_t n_tok = part->ne[1] / gq, ns = dst->ne[2] / n_tok, NS1 = part->ne[3] / ns;
-    for (int64_t i = ith; i < n_rows; i += nth) {
-        const int64_t hq = i % dst->ne[1], tok = i / dst->ne[1];
-        const int64_t si = tok / n_tok, t = tok % n_tok, h = hq / gq, r = t*gq + hq % gq;
-        auto state = [&](int64_t k) {
-            return (const float *) ((const char *) part->data + r*part->nb[1] + h*part->nb[2] + (si*NS1 + k)*part->nb[3]);
-        };
-        float mx = -INFINITY;
-        for (int64_t k = 0; k < NS1; ++k) {
-            const float * st = state(k);
-            if (st[D + 1] > 0.0f) {
-                mx = std::max(mx, st[D]);
-            }
-        }
-        float * out = (float *) ((char *) dst->data + hq*dst->nb[1] + tok*dst->nb[2]);
-        for (uint32_t c = 0; c < D; ++c) {
-            out[c] = 0.0f;
-        }
-        float l = 0.0f;
-        for (int64_t k = 0; k < NS1; ++k) {
-            const float * st = state(k);
-            if (st[D + 1] <= 0.0f) {
-                continue; // an empty slice
-            }
-            const float w = expf(st[D] - mx);
-            l += w*st[D + 1];
-            for (uint32_t c = 0; c < D; ++c) {
-                out[c] += w*st[c];
-            }
-        }
-        const float il = l > 0.0f ? 1.0f/l : 0.0f;
-        for (uint32_t c = 0; c < D; ++c) {
-            out[c] *= il;
-        }
-    }
-}
-
-// after the layer's attention: seal the groups the ubatch made eligible, then keep its unsealed tokens in the ring
-void ott_seal_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ott_op_params & p = *(const ott_op_params *) userdata;
-    const ott_views v = views_of(dst, p);
-    const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
-    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
-    std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
-    for (int64_t u = ith; u < v.ns*p.H; u += nth) {
-        const int64_t si = u / p.H;
-        const uint32_t h = (uint32_t) (u % p.H);
-        const int32_t * pl = v.plan_of(si);
-        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2], n_sealed_after = pl[3];
-        int32_t * meta = v.meta(s, h);
-        ott_slot_meta * slots = (ott_slot_meta *) meta;
-        uint16_t * pool = v.pool(s, h);
-        for (int32_t g = n_sealed; g < n_sealed_after; ++g) {
-            for (uint32_t t = 0; t < G; ++t) {
-                const int32_t pos = g*(int32_t) G + (int32_t) t;
-                if (pos < n_pos) {
-                    memcpy(&gk[(size_t) t*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
-                    memcpy(&gv[(size_t) t*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
-                } else {
-                    const int64_t tok = si*v.n_tok + (pos - n_pos);
-                    ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, tok), (ggml_fp16_t *) &gk[(size_t) t*D], D);
-                    ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, tok), (ggml_fp16_t *) &gv[(size_t) t*D], D);
-                }
-            }
-            int n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1], tracing = meta[2*p.S + 2];
-            ott2_head_seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
-                           slots, pool, pool + (size_t) p.S*D, &n_pool,
-                           slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
-                           v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
-            meta[2*p.S] = n_pool;
-            meta[2*p.S + 1] = n_aux;
-            meta[2*p.S + 2] = tracing;
-        }
-        for (int64_t t = 0; t < v.n_tok && !p.poisoned[s]; ++t) {
-            const float * kr = v.cur_row(v.kc, h, si*v.n_tok + t);
-            const float * vr = v.cur_row(v.vc, h, si*v.n_tok + t);
-            for (uint32_t c = 0; c < D; ++c) {
-                if (!std::isfinite(kr[c]) || !std::isfinite(vr[c])) {
-                    p.poisoned[s] = 1; // a benign race: every writer stores 1
-                    break;
-                }
-            }
-        }
-        const int32_t keep_from = std::max(n_pos, n_sealed_after*(int32_t) G);
-        for (int64_t t = 0; t < v.n_tok; ++t) {
-            const int32_t pos = n_pos + (int32_t) t;
-            if (pos < keep_from) {
-                continue;
-            }
-            ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 0), D);
-            ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 1), D);
-        }
-    }
-}
-
-} // namespace
-
+// the layer's three ops (ggml-ott.h): attention partials, their merge, then the seal. They run where the
+// layer's cache lives (CPU or CUDA): the state tensors sit in a weights-usage buffer of the layer's device,
+// so the scheduler places the ops with them and never copies the state.
 ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_input_attn_kv_ott * inp,
         ggml_tensor * q_cur, ggml_tensor * k_cur, ggml_tensor * v_cur, float kq_scale, int il) {
     llama_kv_cache_ott * kv = inp->mctx_ott->get_kv();
     ott_layer * L = kv->layer(il);
     GGML_ASSERT(L != nullptr && "ott2: layer without a cache");
-    L->op.scale = kq_scale;
     GGML_ASSERT(q_cur->ne[0] == L->op.D && k_cur->ne[0] == L->op.D && v_cur->ne[0] == L->op.D);
     GGML_ASSERT(k_cur->ne[1] == L->op.H && q_cur->ne[1] == L->op.n_head);
-    ggml_tensor * q = q_cur->type == GGML_TYPE_F32 ? q_cur : ggml_cast(ctx0, q_cur, GGML_TYPE_F32);
-    ggml_tensor * k = ggml_cont(ctx0, k_cur);
-    ggml_tensor * v = ggml_cont(ctx0, v_cur);
-    ggml_tensor * args[9] = { q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta, inp->ub_plan };
+    ggml_tensor * q = ggml_cont(ctx0, q_cur->type == GGML_TYPE_F32 ? q_cur : ggml_cast(ctx0, q_cur, GGML_TYPE_F32));
+    ggml_tensor * k = ggml_cont(ctx0, k_cur->type == GGML_TYPE_F32 ? k_cur : ggml_cast(ctx0, k_cur, GGML_TYPE_F32));
+    ggml_tensor * v = ggml_cont(ctx0, v_cur->type == GGML_TYPE_F32 ? v_cur : ggml_cast(ctx0, v_cur, GGML_TYPE_F32));
     const int64_t n_tok = q->ne[2] / inp->ub_plan->ne[1];
-    const int64_t ns = inp->ub_plan->ne[1];
-    const int64_t NS = n_tok <= 4 ? 8 : 1; // decode: split the sealed groups 8 ways; prefill: split over tokens
-    ggml_tensor * part = ggml_custom_4d(ctx0, GGML_TYPE_F32, L->op.D + 2, (L->op.n_head / L->op.H)*n_tok, L->op.H,
-                                        ns*(NS + 1), args, 9, ott_attn_part_op, GGML_N_TASKS_MAX, &L->op);
+    ggml_ott_params op = L->op;
+    op.scale = kq_scale;
+    op.NS = n_tok <= 4 ? 8 : 1; // decode: split the sealed groups 8 ways; prefill: split over tokens
+    ggml_tensor * part = ggml_ott_attn_part(ctx0, q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta,
+                                            inp->ub_plan, &op);
     ggml_format_name(part, "ott_attn_part-%d", il);
-    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_F32, q->ne[0], q->ne[1], q->ne[2], 1, &part, 1, ott_attn_merge_op,
-                                       GGML_N_TASKS_MAX, &L->op);
+    ggml_tensor * out = ggml_ott_attn(ctx0, part, q->ne[2], &op);
     ggml_format_name(out, "ott_attn-%d", il);
-    args[0] = out; // the seal reads the cache after this layer's attention
-    ggml_tensor * seal = ggml_custom_4d(ctx0, GGML_TYPE_I32, 1, 1, 1, 1, args, 9, ott_seal_op, GGML_N_TASKS_MAX, &L->op);
+    // the seal reads the cache after this layer's attention (`out` orders it)
+    ggml_tensor * seal = ggml_ott_seal(ctx0, out, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta,
+                                       inp->ub_plan, L->flags, &op);
     ggml_format_name(seal, "ott_seal-%d", il);
     ggml_build_forward_expand(gf, out);
     ggml_build_forward_expand(gf, seal);
@@ -1089,6 +947,7 @@ llama_memory_context_ptr llama_kv_cache_ott_iswa::init_batch(llama_batch_allocr 
     GGML_UNUSED(embd_all);
     std::vector<llama_ubatch> ubatches;
     std::vector<std::vector<llama_ott_stream_plan>> plans;
+    kv_ott->read_flags();
     if (!kv_ott->plan_batch(balloc, n_ubatch, ubatches, plans)) {
         return std::make_unique<llama_kv_cache_ott_iswa_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }

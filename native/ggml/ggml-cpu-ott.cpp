@@ -1,0 +1,253 @@
+// ott-gguf: CPU implementations of the ott2 cache's ops (ggml-ott.h), around the generated per-head kernels
+// (ott2-head.c, compiled into ggml-cpu with its ISA flags). Work units and arithmetic: docs/design-ott2-cache.md.
+#include "ggml-cpu-ott.h"
+#include "ggml-ott.h"
+#include "ggml-cpu-impl.h"
+#include "ott2-head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct ott_views {
+    const ggml_ott_params & p;
+    const ggml_tensor * kc, * vc, * ring, * sk, * sv, * pkv, * pmeta, * plan;
+    int64_t ns, n_tok;
+
+    const int32_t * plan_of(int64_t si) const { return (const int32_t *) plan->data + 4*si; }
+    int32_t * meta(int32_t s, uint32_t h) const {
+        return (int32_t *) ((char *) pmeta->data + h*pmeta->nb[1] + s*pmeta->nb[2]);
+    }
+    uint16_t * pool(int32_t s, uint32_t h) const { return (uint16_t *) ((char *) pkv->data + (h + p.H*s)*pkv->nb[3]); }
+    uint16_t * ring_row(int32_t s, uint32_t h, int32_t pos, int kv) const {
+        return (uint16_t *) ((char *) ring->data + h*ring->nb[1] + (pos % p.T)*ring->nb[2] + (2*s + kv)*ring->nb[3]);
+    }
+    const float * cur_row(const ggml_tensor * t, uint32_t h, int64_t tok) const {
+        return (const float *) ((const char *) t->data + h*t->nb[1] + tok*t->nb[2]);
+    }
+    char * sealed(const ggml_tensor * t, int32_t s, uint32_t h) const {
+        return (char *) t->data + h*t->nb[2] + s*t->nb[3];
+    }
+};
+
+ott_views views_of(const ggml_tensor * dst, const ggml_ott_params & p) {
+    ott_views v{ p, dst->src[1], dst->src[2], dst->src[3], dst->src[4], dst->src[5], dst->src[6], dst->src[7],
+                 dst->src[8], 0, 0 };
+    v.ns = v.plan->ne[1];
+    v.n_tok = v.kc->ne[2] / v.ns;
+    return v;
+}
+
+// Attention runs as two ops. The partial op splits each (stream, KV head) into units: NS slices of the sealed
+// groups (decode: flash-decoding over the sequence, so a single head still keeps every thread busy) and the
+// fp16 tail, each for a chunk of OTT_TOK_CHUNK tokens of the ubatch (all of its query heads, so the codes of a
+// group are unpacked once for the GQA heads and tokens). A unit writes an online-softmax state per row into
+// `part`; the merge op combines the NS + 1 states of each row.
+constexpr int64_t OTT_TOK_CHUNK = 32;
+
+// rows of one (stream, KV head): row r = t*gq + k for ubatch token t and query head h*gq + k
+// part: F32 [D + 2, gq*n_tok, H, ns*(NS + 1)]: acc[0, D), M at D, L at D + 1
+void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
+    const ggml_ott_params & p = *(const ggml_ott_params *) dst->op_params;
+    const ott_views v = views_of(dst, p);
+    const ggml_tensor * q = dst->src[0];
+    const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
+    const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
+    const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
+    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
+    GGML_ASSERT(G == OTT2_HEAD_G && p.Gv == OTT2_HEAD_GV);
+    // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
+    thread_local std::vector<float> scratch, qb, acc, M, L;
+    thread_local std::vector<int32_t> qpos, cj;
+    thread_local std::vector<uint16_t> ck, cv, tk, tv;
+    scratch.resize((size_t) 2*G*D + 16);
+    for (int64_t u = ith; u < v.ns*p.H*NS1*n_tc; u += nth) {
+        const int64_t tc = u % n_tc;
+        const int64_t k  = (u / n_tc) % NS1;
+        const uint32_t h = (uint32_t) ((u / n_tc / NS1) % p.H);
+        const int64_t si = u / (n_tc*NS1*p.H);
+        const int32_t * pl = v.plan_of(si);
+        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
+        const int64_t t0 = tc*OTT_TOK_CHUNK, t1 = std::min(v.n_tok, t0 + OTT_TOK_CHUNK);
+        const int64_t nr = (t1 - t0)*gq;
+        qb.resize((size_t) nr*D); qpos.resize(nr);
+        acc.assign((size_t) nr*D, 0.0f); M.assign(nr, -INFINITY); L.assign(nr, 0.0f);
+        for (int64_t t = t0; t < t1; ++t) {
+            for (uint32_t kq = 0; kq < gq; ++kq) {
+                const int64_t r = (t - t0)*gq + kq;
+                memcpy(&qb[(size_t) r*D], (const char *) q->data + (h*gq + kq)*q->nb[1] + (si*v.n_tok + t)*q->nb[2],
+                       D*sizeof(float));
+                qpos[r] = n_pos + (int32_t) t;
+            }
+        }
+        if (k < NS1 - 1) {
+            // sealed groups [g0, g1) of this slice; pooled tokens inside a group cover it
+            const int32_t g0 = (int32_t) (k*n_sealed/(NS1 - 1)), g1 = (int32_t) ((k + 1)*n_sealed/(NS1 - 1));
+            const int32_t * meta = v.meta(s, h);
+            const ott_slot_meta * slots = (const ott_slot_meta *) meta;
+            const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
+            const uint16_t * pool = v.pool(s, h);
+            for (int32_t g = g0; g < g1; ++g) {
+                cj.clear(); ck.clear(); cv.clear();
+                for (int32_t i = 0; i < n_pool + n_aux; ++i) {
+                    const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
+                    const int32_t j = slots[slot].pos - g*(int32_t) G;
+                    if (j >= 0 && j < (int32_t) G) {
+                        cj.push_back(j);
+                        ck.insert(ck.end(), pool + (size_t) slot*D, pool + (size_t) (slot + 1)*D);
+                        cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
+                    }
+                }
+                ott2_head_attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
+                                     v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
+                                     M.data(), L.data(), acc.data(), scratch.data());
+            }
+        } else {
+            // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
+            const int32_t lo = n_sealed*(int32_t) G;
+            const int64_t n_tail = (n_pos - lo) + t1;
+            tk.resize((size_t) n_tail*D); tv.resize((size_t) n_tail*D);
+            for (int32_t pos = lo; pos < n_pos; ++pos) {
+                memcpy(&tk[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
+                memcpy(&tv[(size_t) (pos - lo)*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
+            }
+            for (int64_t t = 0; t < t1; ++t) { // rounded to fp16 as the ring will keep them
+                const size_t o = (size_t) (n_pos - lo + t)*D;
+                ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) &tk[o], D);
+                ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) &tv[o], D);
+            }
+            for (int64_t j0 = 0; j0 < n_tail; j0 += G) {
+                const int n_t = (int) std::min<int64_t>(G, n_tail - j0);
+                ott2_head_attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, lo + (int32_t) j0,
+                                    &tk[(size_t) j0*D], &tv[(size_t) j0*D], (int) D, M.data(), L.data(), acc.data(),
+                                    scratch.data());
+            }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+            float * o = (float *) ((char *) dst->data + (t0*gq + r)*dst->nb[1] + h*dst->nb[2] + (si*NS1 + k)*dst->nb[3]);
+            memcpy(o, &acc[(size_t) r*D], D*sizeof(float));
+            o[D] = M[r];
+            o[D + 1] = L[r];
+        }
+    }
+}
+
+// out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row
+void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
+    const ggml_ott_params & p = *(const ggml_ott_params *) dst->op_params;
+    const ggml_tensor * part = dst->src[0];
+    const uint32_t D = p.D, gq = p.n_head / p.H;
+    const int64_t n_rows = dst->ne[1]*dst->ne[2]; // (query head, token) over every stream
+    const int64_t n_tok = part->ne[1] / gq, ns = dst->ne[2] / n_tok, NS1 = part->ne[3] / ns;
+    for (int64_t i = ith; i < n_rows; i += nth) {
+        const int64_t hq = i % dst->ne[1], tok = i / dst->ne[1];
+        const int64_t si = tok / n_tok, t = tok % n_tok, h = hq / gq, r = t*gq + hq % gq;
+        auto state = [&](int64_t k) {
+            return (const float *) ((const char *) part->data + r*part->nb[1] + h*part->nb[2] + (si*NS1 + k)*part->nb[3]);
+        };
+        float mx = -INFINITY;
+        for (int64_t k = 0; k < NS1; ++k) {
+            const float * st = state(k);
+            if (st[D + 1] > 0.0f) {
+                mx = std::max(mx, st[D]);
+            }
+        }
+        float * out = (float *) ((char *) dst->data + hq*dst->nb[1] + tok*dst->nb[2]);
+        for (uint32_t c = 0; c < D; ++c) {
+            out[c] = 0.0f;
+        }
+        float l = 0.0f;
+        for (int64_t k = 0; k < NS1; ++k) {
+            const float * st = state(k);
+            if (st[D + 1] <= 0.0f) {
+                continue; // an empty slice
+            }
+            const float w = expf(st[D] - mx);
+            l += w*st[D + 1];
+            for (uint32_t c = 0; c < D; ++c) {
+                out[c] += w*st[c];
+            }
+        }
+        const float il = l > 0.0f ? 1.0f/l : 0.0f;
+        for (uint32_t c = 0; c < D; ++c) {
+            out[c] *= il;
+        }
+    }
+}
+
+// after the layer's attention: seal the groups the ubatch made eligible, then keep its unsealed tokens in the ring
+void ott_seal(ggml_tensor * dst, int ith, int nth) {
+    const ggml_ott_params & p = *(const ggml_ott_params *) dst->op_params;
+    int32_t * flags = (int32_t *) dst->src[9]->data;
+    const ott_views v = views_of(dst, p);
+    const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
+    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
+    GGML_ASSERT(G == OTT2_HEAD_G && p.Gv == OTT2_HEAD_GV);
+    std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
+    for (int64_t u = ith; u < v.ns*p.H; u += nth) {
+        const int64_t si = u / p.H;
+        const uint32_t h = (uint32_t) (u % p.H);
+        const int32_t * pl = v.plan_of(si);
+        const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2], n_sealed_after = pl[3];
+        int32_t * meta = v.meta(s, h);
+        ott_slot_meta * slots = (ott_slot_meta *) meta;
+        uint16_t * pool = v.pool(s, h);
+        for (int32_t g = n_sealed; g < n_sealed_after; ++g) {
+            for (uint32_t t = 0; t < G; ++t) {
+                const int32_t pos = g*(int32_t) G + (int32_t) t;
+                if (pos < n_pos) {
+                    memcpy(&gk[(size_t) t*D], v.ring_row(s, h, pos, 0), D*sizeof(uint16_t));
+                    memcpy(&gv[(size_t) t*D], v.ring_row(s, h, pos, 1), D*sizeof(uint16_t));
+                } else {
+                    const int64_t tok = si*v.n_tok + (pos - n_pos);
+                    ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, tok), (ggml_fp16_t *) &gk[(size_t) t*D], D);
+                    ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, tok), (ggml_fp16_t *) &gv[(size_t) t*D], D);
+                }
+            }
+            int n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1], tracing = meta[2*p.S + 2];
+            ott2_head_seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
+                           slots, pool, pool + (size_t) p.S*D, &n_pool,
+                           slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
+                           v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
+            meta[2*p.S] = n_pool;
+            meta[2*p.S + 1] = n_aux;
+            meta[2*p.S + 2] = tracing;
+        }
+        for (int64_t t = 0; t < v.n_tok && !flags[s]; ++t) {
+            const float * kr = v.cur_row(v.kc, h, si*v.n_tok + t);
+            const float * vr = v.cur_row(v.vc, h, si*v.n_tok + t);
+            for (uint32_t c = 0; c < D; ++c) {
+                if (!std::isfinite(kr[c]) || !std::isfinite(vr[c])) {
+                    flags[s] = 1; // a benign race: every writer stores 1
+                    break;
+                }
+            }
+        }
+        const int32_t keep_from = std::max(n_pos, n_sealed_after*(int32_t) G);
+        for (int64_t t = 0; t < v.n_tok; ++t) {
+            const int32_t pos = n_pos + (int32_t) t;
+            if (pos < keep_from) {
+                continue;
+            }
+            ggml_fp32_to_fp16_row(v.cur_row(v.kc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 0), D);
+            ggml_fp32_to_fp16_row(v.cur_row(v.vc, h, si*v.n_tok + t), (ggml_fp16_t *) v.ring_row(s, h, pos, 1), D);
+        }
+    }
+}
+
+} // namespace
+
+void ggml_compute_forward_ott_attn_part(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    ott_attn_part(dst, params->ith, params->nth);
+}
+
+void ggml_compute_forward_ott_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    ott_attn_merge(dst, params->ith, params->nth);
+}
+
+void ggml_compute_forward_ott_seal(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    ott_seal(dst, params->ith, params->nth);
+}

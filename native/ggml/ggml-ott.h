@@ -1,0 +1,39 @@
+// ott-gguf: the ott2 KV cache's graph ops (GGML_OP_OTT_*), built into ggml-base; CPU implementations in
+// ggml-cpu (ggml-cpu-ott.cpp), CUDA ones in ggml-cuda (ggml-cuda-ott.cu, kernels from gen/templates).
+// Tensor layouts: gen/templates/ott_cuda_ops.j2.
+#pragma once
+
+#include "ggml.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// the op parameters (op_params, 13 x 4 bytes)
+struct ggml_ott_params {
+    int32_t D, H, n_head, G, Gv, T, S, NG, n_stream, outlier_num, aux_cap, NS;
+    float   scale;
+};
+
+// attention partials: an online-softmax state (acc [D], M, L) per query row and unit
+// -> F32 [D + 2, gq*n_tok, H, ns*(NS + 1)], ns = plan->ne[1], n_tok = q->ne[2] / ns
+GGML_API struct ggml_tensor * ggml_ott_attn_part(struct ggml_context * ctx, struct ggml_tensor * q,
+        struct ggml_tensor * k, struct ggml_tensor * v, struct ggml_tensor * ring, struct ggml_tensor * sealed_k,
+        struct ggml_tensor * sealed_v, struct ggml_tensor * pool_kv, struct ggml_tensor * pool_meta,
+        struct ggml_tensor * plan, const struct ggml_ott_params * p);
+
+// merge of the partials -> F32 [D, n_head, ns*n_tok]
+GGML_API struct ggml_tensor * ggml_ott_attn(struct ggml_context * ctx, struct ggml_tensor * part, int64_t n_tok_all,
+        const struct ggml_ott_params * p);
+
+// seal the groups the ubatch made eligible and keep its unsealed tokens in the ring (writes the cache's
+// tensors in place); `after` orders it after the layer's attention; flags: I32 [n_stream], set to 1 on
+// non-finite K/V. -> I32 [1] (no content)
+GGML_API struct ggml_tensor * ggml_ott_seal(struct ggml_context * ctx, struct ggml_tensor * after,
+        struct ggml_tensor * k, struct ggml_tensor * v, struct ggml_tensor * ring, struct ggml_tensor * sealed_k,
+        struct ggml_tensor * sealed_v, struct ggml_tensor * pool_kv, struct ggml_tensor * pool_meta,
+        struct ggml_tensor * plan, struct ggml_tensor * flags, const struct ggml_ott_params * p);
+
+#ifdef __cplusplus
+}
+#endif
