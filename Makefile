@@ -9,7 +9,7 @@ APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_PROGRESS_BAR=off
 
-.PHONY: install demo test models lint apt-build apt-test clean
+.PHONY: install demo test gpu-test models lint apt-build apt-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,13 @@ test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6"
 	$(BIN)/ott-gguf models
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider
+
+# on a machine with an NVIDIA GPU and the CUDA toolkit: build with CUDA, run the GPU tests and the GPU benchmark
+gpu-test: apt-build $(BIN)/python
+	$(MAKE) install PIP_INSTALL_ARGS='-Ccmake.define.OTT_GGUF_CUDA=ON'
+	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "cffi>=1.16"
+	$(BIN)/ott-gguf models
+	$(BIN)/python -m ott_gguf.gpu_check --out docs/benchmarks-gpu.md
 
 clean:
 	rm -rf build $(VENV)

@@ -36,13 +36,15 @@ class BenchRow:
 
 
 def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
-                  threads: int | None, reps: int) -> list[str]:  # fmt: skip
+                  threads: int | None, reps: int, n_gpu_layers: int | None = None) -> list[str]:  # fmt: skip
     ctype = "ott2" if resolve_kv_type(kv_type) in OTT_KV_TYPES else resolve_kv_type(kv_type)
     cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", ctype, "-ctv", ctype, "-fa", "1",
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-o", "json"]  # fmt: skip
     if threads is not None:
         cmd += ["-t", str(threads)]
+    if n_gpu_layers is not None:
+        cmd += ["-ngl", str(n_gpu_layers)]
     return cmd
 
 
@@ -71,6 +73,7 @@ def bench(
     threads: int | None = None,
     reps: int = 3,
     progress: Callable[[str], None] | None = None,
+    n_gpu_layers: int | None = None,
 ) -> list[BenchRow]:
     """Run llama-bench once per cache type; rows in the order of kv_types, then as llama-bench reports them."""
     from .info import require_ott_support
@@ -83,7 +86,16 @@ def bench(
     require_ott_support(model, types)  # llama-bench would only exit with a status
     rows: list[BenchRow] = []
     for t in types:
-        cmd = bench_command(model, t, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps)
+        cmd = bench_command(
+            model,
+            t,
+            depths=depths,
+            n_prompt=n_prompt,
+            n_gen=n_gen,
+            threads=threads,
+            reps=reps,
+            n_gpu_layers=n_gpu_layers,
+        )
         if progress:
             progress(f"{t}: {' '.join(cmd)}")
         res = subprocess.run(cmd, env=server_env(t), capture_output=True, text=True)
