@@ -106,3 +106,32 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     for tag in ("h2g128v64", "h4g128v64"):
         for fn in ("attn", "seal"):
             assert f"ott2_cuda_{tag}_{fn}" in syms and f"ott2_cudatest_{tag}_{fn}" in syms
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
+def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
+    """The ggml-cuda side of the ott2 ops as the CUDA build compiles it: the dispatch glue
+    (native/ggml/ggml-cuda-ott.cu, against the patched ggml-cuda headers) and the build's generated kernels."""
+    require_tool("nvcc", hint="the CUDA toolkit")
+    from ott_gguf import build_info
+
+    src = Path(str(build_info()["llama_src"]))
+    gen = src.parent / "ott-gen" / "ggml"
+    inc = ["-I", str(src / "ggml" / "src"), "-I", str(src / "ggml" / "include"), "-I", str(ROOT / "native" / "ggml"),
+           "-I", str(gen)]  # fmt: skip
+    syms = ""
+    for name, cu in (("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"), ("ops", gen / "ott2-cuda-ops.cu")):
+        obj = tmp_path / f"{name}.o"
+        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", *inc, str(cu), "-o", str(obj)],
+                             capture_output=True, text=True)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-4000:]
+        syms += subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    for fn in (
+        "ggml_cuda_op_ott_attn_part",
+        "ggml_cuda_op_ott_attn",
+        "ggml_cuda_op_ott_seal",
+        "ggml_cuda_ott_supports_op",
+    ):
+        assert fn in syms
+    for fn in ("attn_part", "attn_merge", "seal"):
+        assert f"ott2_cuda_h2g128v64_{fn}" in syms

@@ -908,7 +908,14 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     const int64_t n_tok = q->ne[2] / inp->ub_plan->ne[1];
     ggml_ott_params op = L->op;
     op.scale = kq_scale;
-    op.NS = n_tok <= 4 ? 8 : 1; // decode: split the sealed groups 8 ways; prefill: split over tokens
+    // slices of the sealed groups per (stream, KV head). CPU: decode splits them 8 ways (flash-decoding), prefill
+    // splits over tokens instead. GPU: enough slices to fill the device (a thread block per slice), up to 2 groups
+    // per slice when decoding
+    if (ggml_backend_buffer_is_host(L->ring->buffer)) {
+        op.NS = n_tok <= 4 ? 8 : 1;
+    } else {
+        op.NS = n_tok <= 4 ? std::clamp(op.NG/2, 8, 128) : std::clamp(op.NG/16, 1, 16);
+    }
     ggml_tensor * part = ggml_ott_attn_part(ctx0, q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta,
                                             inp->ub_plan, &op);
     ggml_format_name(part, "ott_attn_part-%d", il);
