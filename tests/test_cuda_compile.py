@@ -110,8 +110,9 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
 def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
-    """The ggml-cuda side of the ott2 ops as the CUDA build compiles it: the dispatch glue
-    (native/ggml/ggml-cuda-ott.cu, against the patched ggml-cuda headers) and the build's generated kernels."""
+    """The ggml-cuda side of the ott2 ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
+    against the patched ggml-cuda headers), the build's generated kernels, and the patched ggml-cuda.cu whose
+    dispatch and supports_op call the glue."""
     require_tool("nvcc", hint="the CUDA toolkit")
     from ott_gguf import build_info
 
@@ -120,10 +121,15 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     inc = ["-I", str(src / "ggml" / "src"), "-I", str(src / "ggml" / "include"), "-I", str(ROOT / "native" / "ggml"),
            "-I", str(gen)]  # fmt: skip
     syms = ""
-    for name, cu in (("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"), ("ops", gen / "ott2-cuda-ops.cu")):
+    units = (
+        ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
+        ("ops", gen / "ott2-cuda-ops.cu"),
+        ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
+    )
+    for name, cu in units:
         obj = tmp_path / f"{name}.o"
-        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", *inc, str(cu), "-o", str(obj)],
-                             capture_output=True, text=True)  # fmt: skip
+        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DGGML_USE_CUDA", *inc, str(cu),
+                              "-o", str(obj)], capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 0, res.stderr[-4000:]
         syms += subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
     for fn in (
@@ -135,3 +141,4 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
         assert fn in syms
     for fn in ("attn_part", "attn_merge", "seal"):
         assert f"ott2_cuda_h2g128v64_{fn}" in syms
+    assert syms.count("U ggml_cuda_op_ott_attn_part") == 1  # referenced by the dispatch
