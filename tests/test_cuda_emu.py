@@ -15,6 +15,8 @@ the order matters), warp scheduling, occupancy, and the exact ulps of the GPU's 
 from __future__ import annotations
 
 import math
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -145,3 +147,45 @@ def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
 def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
     lib = OpsLib(build_cuda_testlib(sources, TAGS, tmp_path), "cuda", TAGS)
     run_scenario(lib, case)
+
+
+def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float]:
+    """Mean KLD against the saved base logits and same-top-1 rate, from llama-perplexity."""
+    from ott_gguf._lib import bin_path
+
+    cmd = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "512", "--chunks", "2",
+           "-t", "2", "-b", "512", "-ub", "128", "-ctk", kv, "-ctv", kv, "--kl-divergence-base", str(base)]  # fmt: skip
+    if kv == "f16":
+        res = subprocess.run([*cmd, "-fa", "0"], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return 0.0, 1.0
+    res = subprocess.run([*cmd, "--kl-divergence"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    kld = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out)
+    top = re.search(r"Same top p:\s+([0-9.]+)", out)
+    assert kld and top, out[-2000:]
+    return float(kld.group(1)), float(top.group(1)) / 100
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The whole CUDA path's logic in the real graph: OTT_GGUF_EMULATE_CUDA=1 makes ggml-cpu run the CUDA
+    kernels' emulation with the arguments the CUDA dispatch builds (ggml-ott-args.h) and the GPU's slicing, on
+    real text through SmolLM2 (D 64, GQA) and Gemma 3 (D 256, ott2 beside the f16 window layers). Logits cannot
+    be equal (fp32 summation order differs, and this model amplifies one-ulp differences through fp16 and 2-bit
+    rounding), so the check is quality parity with the CPU path against f16 (a wrong row, slot or cover would
+    show as a kivi2-like KLD or worse)."""
+    from ott_gguf.corpus import docs_text
+
+    model = request.getfixturevalue(model_name)
+    text = tmp_path / "docs.txt"
+    text.write_text(docs_text(60_000))
+    base = tmp_path / "f16.kld"
+    env = {k: v for k, v in os.environ.items() if k != "OTT_GGUF_EMULATE_CUDA"}
+    perplexity_kld(model, text, base, "f16", env)
+    cpu = perplexity_kld(model, text, base, "ott2", env)
+    emu = perplexity_kld(model, text, base, "ott2", {**env, "OTT_GGUF_EMULATE_CUDA": "1"})
+    print(f"{model_name}: KLD vs f16: cpu {cpu[0]:.4f} (top-1 {cpu[1]:.3f}), emulated cuda {emu[0]:.4f} ({emu[1]:.3f})")
+    assert abs(emu[0] - cpu[0]) <= 0.25 * cpu[0] + 0.003
+    assert abs(emu[1] - cpu[1]) <= 0.04

@@ -3,7 +3,10 @@
 #include "ggml-cpu-ott.h"
 #include "ggml-ott.h"
 #include "ggml-cpu-impl.h"
+#include "ggml-ott-args.h"
 #include "ott2-head.h"
+
+#include <cstdlib>
 
 #include <algorithm>
 #include <cmath>
@@ -238,16 +241,53 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     }
 }
 
+// OTT_GGUF_EMULATE_CUDA=1: run the CUDA kernels' emulation (the same template rendered as C++, ott2-emu-ops.cpp)
+// instead of the CPU kernels, with the CUDA dispatch's arguments: the model-level tests then exercise the
+// CUDA path's logic end to end without a GPU. Single-threaded and slow; for tests only.
+bool ott_emulate_cuda() {
+    static const bool on = [] {
+        const char * e = getenv("OTT_GGUF_EMULATE_CUDA");
+        return e != nullptr && e[0] == '1';
+    }();
+    return on;
+}
+
 } // namespace
 
 void ggml_compute_forward_ott_attn_part(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    if (ott_emulate_cuda()) {
+        if (params->ith == 0) {
+            ott_cu_args a = ggml_ott_cu_args(dst);
+            a.part = (float *) dst->data;
+            ott2_emu_attn_part(&a, nullptr);
+        }
+        return;
+    }
     ott_attn_part(dst, params->ith, params->nth);
 }
 
 void ggml_compute_forward_ott_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    if (ott_emulate_cuda()) {
+        if (params->ith == 0) {
+            ott_cu_args a = ggml_ott_cu_args(dst->src[0]);
+            a.part = (float *) dst->src[0]->data;
+            a.out = (float *) dst->data;
+            ott2_emu_attn_merge(&a, nullptr);
+        }
+        return;
+    }
     ott_attn_merge(dst, params->ith, params->nth);
 }
 
 void ggml_compute_forward_ott_seal(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    if (ott_emulate_cuda()) {
+        if (params->ith == 0) {
+            ott_cu_args a = ggml_ott_cu_args(dst);
+            std::vector<uint16_t> scratch((size_t) 2*OTT2_CU_G*a.D*a.ns*a.H);
+            a.scratch = scratch.data();
+            ott2_emu_seal(&a, nullptr);
+        }
+        return;
+    }
     ott_seal(dst, params->ith, params->nth);
 }

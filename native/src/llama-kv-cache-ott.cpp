@@ -911,7 +911,8 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     // slices of the sealed groups per (stream, KV head). CPU: decode splits them 8 ways (flash-decoding), prefill
     // splits over tokens instead. GPU: enough slices to fill the device (a thread block per slice), up to 2 groups
     // per slice when decoding
-    if (ggml_backend_buffer_is_host(L->ring->buffer)) {
+    static const bool emulate_cuda = getenv("OTT_GGUF_EMULATE_CUDA") && getenv("OTT_GGUF_EMULATE_CUDA")[0] == '1';
+    if (ggml_backend_buffer_is_host(L->ring->buffer) && !emulate_cuda) { // (the emulation slices as the GPU does)
         op.NS = n_tok <= 4 ? 8 : 1;
     } else {
         op.NS = n_tok <= 4 ? std::clamp(op.NG/2, 8, 128) : std::clamp(op.NG/16, 1, 16);
