@@ -150,11 +150,13 @@ def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
 
 
 def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float]:
-    """Mean KLD against the saved base logits and same-top-1 rate, from llama-perplexity."""
+    """Mean KLD against the saved base logits and same-top-1 rate, from llama-perplexity (-ngl 0: the CPU ops,
+    also in a CUDA build)."""
     from ott_gguf._lib import bin_path
 
     cmd = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "512", "--chunks", "2",
-           "-t", "2", "-b", "512", "-ub", "128", "-ctk", kv, "-ctv", kv, "--kl-divergence-base", str(base)]  # fmt: skip
+           "-t", "2", "-b", "512", "-ub", "128", "-ctk", kv, "-ctv", kv, "--kl-divergence-base", str(base),
+           "-ngl", "0"]  # fmt: skip
     if kv == "f16":
         res = subprocess.run([*cmd, "-fa", "0"], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
