@@ -61,15 +61,19 @@ def ott_op_backends(model: Path, ngl: int, tmp_path: Path) -> dict[str, set[str]
     return dict(out)
 
 
-def test_ott_ops_run_on_the_cpu_where_the_cache_is(smollm2: Path, tmp_path: Path) -> None:
-    placed = ott_op_backends(smollm2, 0, tmp_path)
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_ott_ops_run_on_the_cpu_where_the_cache_is(model_name: str, request: pytest.FixtureRequest,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    placed = ott_op_backends(request.getfixturevalue(model_name), 0, tmp_path)
     assert set(placed) == OPS, placed
     assert all(b == {"CPU"} for b in placed.values()), placed
 
 
 @needs_gpu
-def test_ott_ops_run_on_the_gpu_when_offloaded(smollm2: Path, tmp_path: Path) -> None:
-    placed = ott_op_backends(smollm2, 99, tmp_path)
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_ott_ops_run_on_the_gpu_when_offloaded(model_name: str, request: pytest.FixtureRequest,
+                                               tmp_path: Path) -> None:  # fmt: skip
+    placed = ott_op_backends(request.getfixturevalue(model_name), 99, tmp_path)
     assert set(placed) == OPS, placed
     assert all(b == {"CUDA0"} for b in placed.values()), placed
 
