@@ -62,20 +62,14 @@ def ott_op_backends(model: Path, ngl: int, tmp_path: Path) -> dict[str, set[str]
 
 
 @pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
-def test_ott_ops_run_on_the_cpu_where_the_cache_is(model_name: str, request: pytest.FixtureRequest,
-                                                   tmp_path: Path) -> None:  # fmt: skip
-    placed = ott_op_backends(request.getfixturevalue(model_name), 0, tmp_path)
+@pytest.mark.parametrize(("ngl", "backend"), [(0, "CPU"), pytest.param(99, "CUDA0", marks=needs_gpu)],
+                         ids=["cpu", "gpu-offloaded"])  # fmt: skip
+def test_ott_ops_run_where_the_cache_is(model_name: str, ngl: int, backend: str, request: pytest.FixtureRequest,
+                                        tmp_path: Path) -> None:  # fmt: skip
+    """CPU build or -ngl 0: every ott2 op on the CPU; CUDA build with the model offloaded: every one on CUDA0."""
+    placed = ott_op_backends(request.getfixturevalue(model_name), ngl, tmp_path)
     assert set(placed) == OPS, placed
-    assert all(b == {"CPU"} for b in placed.values()), placed
-
-
-@needs_gpu
-@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
-def test_ott_ops_run_on_the_gpu_when_offloaded(model_name: str, request: pytest.FixtureRequest,
-                                               tmp_path: Path) -> None:  # fmt: skip
-    placed = ott_op_backends(request.getfixturevalue(model_name), 99, tmp_path)
-    assert set(placed) == OPS, placed
-    assert all(b == {"CUDA0"} for b in placed.values()), placed
+    assert all(b == {backend} for b in placed.values()), placed
 
 
 @needs_gpu

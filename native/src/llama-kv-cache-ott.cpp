@@ -57,7 +57,8 @@ struct ott_layer {
     ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
     ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
     ggml_tensor * pool_meta = nullptr; // I32 [2S + 3, H, n_stream]: S x (pos, score), n_pool, n_aux, tracing
-    ggml_tensor * flags     = nullptr; // I32 [n_stream]: set by the seal op when a stream's new K/V are not finite
+    ggml_tensor * flags     = nullptr; // I32 [n_stream], one per device (shared by its layers): set by the seal op
+                                       // when a stream's new K/V are not finite
     ggml_ott_params op;
 };
 
@@ -136,6 +137,7 @@ private:
     std::vector<int32_t> layer_ids;
     std::vector<ggml_context *> ctxs;         // one per buffer type (the layers' devices)
     std::vector<ggml_backend_buffer_t> bufs;
+    std::vector<ggml_tensor *> flags;         // one per buffer type: read once per batch, not once per layer
     size_t bytes_total = 0;
     size_t bytes_quant = 0, bytes_tail = 0, bytes_pool = 0;
 };
@@ -201,6 +203,10 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
         }
         ctx_of[buft] = c;
         ctxs.push_back(c);
+        ggml_tensor * f = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_stream);
+        ggml_format_name(f, "ott_flags_%zu", flags.size());
+        flags.push_back(f);
+        bytes_pool += ggml_nbytes(f);
         return c;
     };
     layer_ids.assign(n_layer, -1);
@@ -230,19 +236,18 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_hp
         L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*OTT2_HEAD_VB, NG, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 2*S + 3, H, n_stream);
-        L.flags     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_stream);
+        L.flags     = flags[std::find(ctxs.begin(), ctxs.end(), ctx) - ctxs.begin()];
         ggml_format_name(L.ring, "ott_ring_l%d", il);
         ggml_format_name(L.sealed_k, "ott_sealed_k_l%d", il);
         ggml_format_name(L.sealed_v, "ott_sealed_v_l%d", il);
         ggml_format_name(L.pool_kv, "ott_pool_kv_l%d", il);
         ggml_format_name(L.pool_meta, "ott_pool_meta_l%d", il);
-        ggml_format_name(L.flags, "ott_flags_l%d", il);
         L.op = { (int32_t) D, (int32_t) H, (int32_t) hparams.n_head(il), (int32_t) G, (int32_t) Gv, (int32_t) T,
                  (int32_t) S, (int32_t) NG, (int32_t) n_stream, (int32_t) (il < p.no_outlier_layers ? 0 : p.outlier_num),
                  (int32_t) p.aux_cap, 1, 1.0f };
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
         bytes_tail  += ggml_nbytes(L.ring);
-        bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta) + ggml_nbytes(L.flags);
+        bytes_pool  += ggml_nbytes(L.pool_kv) + ggml_nbytes(L.pool_meta);
         layer_ids[il] = (int32_t) layers.size();
         layers.push_back(L);
     }
@@ -291,20 +296,22 @@ void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {
             meta[(size_t) h*L.pool_meta->ne[0] + 2*L.op.S + 2] = 1; // tracing on
         }
         ggml_backend_tensor_set(L.pool_meta, meta.data(), s*L.pool_meta->nb[2], meta.size()*sizeof(int32_t));
-        const int32_t zero = 0;
-        ggml_backend_tensor_set(L.flags, &zero, s*sizeof(int32_t), sizeof(int32_t));
+    }
+    const int32_t zero = 0;
+    for (ggml_tensor * f : flags) {
+        ggml_backend_tensor_set(f, &zero, s*sizeof(int32_t), sizeof(int32_t));
     }
     streams[s] = {};
     poisoned[s] = 0;
 }
 
-// the seal ops' non-finite marks (in each layer's memory, CPU or GPU) into `poisoned`
+// the seal ops' non-finite marks (one tensor per device, CPU or GPU) into `poisoned`
 void llama_kv_cache_ott::read_flags() {
-    std::vector<int32_t> f(n_stream);
-    for (auto & L : layers) {
-        ggml_backend_tensor_get(L.flags, f.data(), 0, n_stream*sizeof(int32_t));
+    std::vector<int32_t> v(n_stream);
+    for (ggml_tensor * f : flags) {
+        ggml_backend_tensor_get(f, v.data(), 0, n_stream*sizeof(int32_t));
         for (uint32_t s = 0; s < n_stream; ++s) {
-            poisoned[s] |= f[s] != 0;
+            poisoned[s] |= v[s] != 0;
         }
     }
 }
@@ -590,19 +597,19 @@ void llama_kv_cache_ott::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
         // the stream is dim 3 of the sealed tensors and dim 2 of the pool metadata
         const std::pair<ggml_tensor *, size_t> per_stream[] = {
             { L.sealed_k, L.sealed_k->nb[3] }, { L.sealed_v, L.sealed_v->nb[3] }, { L.pool_meta, L.pool_meta->nb[2] },
-        };
-        const std::pair<ggml_tensor *, size_t> more[] = {
-            { L.ring, 2*L.ring->nb[3] }, { L.pool_kv, L.op.H*L.pool_kv->nb[3] }, { L.flags, sizeof(int32_t) },
+            { L.ring, 2*L.ring->nb[3] }, { L.pool_kv, L.op.H*L.pool_kv->nb[3] },
         };
         std::vector<char> tmp;
-        for (const auto & list : { std::vector<std::pair<ggml_tensor *, size_t>>(std::begin(per_stream), std::end(per_stream)),
-                                   std::vector<std::pair<ggml_tensor *, size_t>>(std::begin(more), std::end(more)) }) {
-            for (const auto & [t, sz] : list) {
-                tmp.resize(sz);
-                ggml_backend_tensor_get(t, tmp.data(), seq_id_src*sz, sz);
-                ggml_backend_tensor_set(t, tmp.data(), seq_id_dst*sz, sz);
-            }
+        for (const auto & [t, sz] : per_stream) {
+            tmp.resize(sz);
+            ggml_backend_tensor_get(t, tmp.data(), seq_id_src*sz, sz);
+            ggml_backend_tensor_set(t, tmp.data(), seq_id_dst*sz, sz);
         }
+    }
+    for (ggml_tensor * f : flags) {
+        int32_t v = 0;
+        ggml_backend_tensor_get(f, &v, seq_id_src*sizeof(int32_t), sizeof(int32_t));
+        ggml_backend_tensor_set(f, &v, seq_id_dst*sizeof(int32_t), sizeof(int32_t));
     }
     streams[seq_id_dst] = streams[seq_id_src];
     poisoned[seq_id_dst] = poisoned[seq_id_src];
