@@ -6,10 +6,9 @@
 #include "ggml-ott-args.h"
 #include "ott2-head.h"
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 

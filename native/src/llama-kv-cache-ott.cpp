@@ -909,9 +909,14 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     GGML_ASSERT(L != nullptr && "ott2: layer without a cache");
     GGML_ASSERT(q_cur->ne[0] == L->op.D && k_cur->ne[0] == L->op.D && v_cur->ne[0] == L->op.D);
     GGML_ASSERT(k_cur->ne[1] == L->op.H && q_cur->ne[1] == L->op.n_head);
-    ggml_tensor * q = ggml_cont(ctx0, q_cur->type == GGML_TYPE_F32 ? q_cur : ggml_cast(ctx0, q_cur, GGML_TYPE_F32));
-    ggml_tensor * k = ggml_cont(ctx0, k_cur->type == GGML_TYPE_F32 ? k_cur : ggml_cast(ctx0, k_cur, GGML_TYPE_F32));
-    ggml_tensor * v = ggml_cont(ctx0, v_cur->type == GGML_TYPE_F32 ? v_cur : ggml_cast(ctx0, v_cur, GGML_TYPE_F32));
+    // the ops read contiguous F32 rows: convert or copy only when needed (no extra node per layer otherwise)
+    auto f32_rows = [ctx0](ggml_tensor * t) {
+        t = t->type == GGML_TYPE_F32 ? t : ggml_cast(ctx0, t, GGML_TYPE_F32);
+        return ggml_is_contiguous(t) ? t : ggml_cont(ctx0, t);
+    };
+    ggml_tensor * q = f32_rows(q_cur);
+    ggml_tensor * k = f32_rows(k_cur);
+    ggml_tensor * v = f32_rows(v_cur);
     const int64_t n_tok = q->ne[2] / inp->ub_plan->ne[1];
     ggml_ott_params op = L->op;
     op.scale = kq_scale;
