@@ -45,8 +45,8 @@ demo: install
 
 lint: $(BIN)/python
 	$(PIP) install -q "ruff>=0.6"
-	$(BIN)/ruff check ott_gguf tests gen models native
-	$(BIN)/ruff format --check ott_gguf tests gen models native
+	$(BIN)/ruff check ott_gguf study tests gen models native
+	$(BIN)/ruff format --check ott_gguf study tests gen models native
 
 test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6"
@@ -58,7 +58,7 @@ gpu-test: apt-build $(BIN)/python
 	$(MAKE) install PIP_INSTALL_ARGS='-Ccmake.define.OTT_GGUF_CUDA=ON'
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "cffi>=1.16"
 	$(BIN)/ott-gguf models
-	$(BIN)/python -m ott_gguf.gpu_check --out docs/benchmarks-gpu.md
+	$(BIN)/python -m study.gpu_check --out docs/benchmarks-gpu.md
 
 clean:
 	rm -rf build $(VENV)

@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 import ott_gguf
 from ott_gguf._lib import LIB_DIR
+
+# the repository's study tools (study/, not installed) are importable as `study`; the root goes last so that
+# `ott_gguf` stays the installed package (or PYTHONPATH's), never the source tree by accident
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 # the tests exercise the installed package with its native build (or OTT_GGUF_NATIVE_DIR), never a source
 # tree without one

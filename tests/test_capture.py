@@ -1,4 +1,4 @@
-"""ott_gguf.capture on the real models, and the docs corpus it reads by default.
+"""study.capture on the real models, and the docs corpus it reads by default.
 
 The captured q/k/v are proven to be the tensors llama.cpp's attention used: dense causal attention computed here
 from them must reproduce llama.cpp's own attention output (`kqv_out-<il>`, recorded in the same run through the
@@ -19,7 +19,9 @@ import pytest
 
 import ott_gguf
 from ott_gguf import corpus
-from ott_gguf.capture import capture, read_meta
+from study.capture import capture, read_meta
+
+from helpers import ROOT
 
 N_TOKENS = 300  # below Gemma 3's 512-token window: every layer attends to all earlier tokens
 N_UBATCH = 128  # 128 + 128 + 44: the layers are stitched together across ubatches of unequal size
@@ -247,8 +249,9 @@ def test_capture_from_tokens_and_errors(smollm2: Path, tmp_path: Path) -> None:
 def test_cli(smollm2: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli.npz"
     res = subprocess.run(
-        [sys.executable, "-m", "ott_gguf.capture", "--model", str(smollm2), "--tokens", "48", "--ubatch", "32"]
+        [sys.executable, "-m", "study.capture", "--model", str(smollm2), "--tokens", "48", "--ubatch", "32"]
         + ["--threads", "2", "--out", str(out)],
+        cwd=ROOT,  # the study tools run from the repository root
         capture_output=True,
         text=True,
         timeout=120,

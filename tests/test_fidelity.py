@@ -1,4 +1,4 @@
-"""ott_gguf.fidelity: the measurement code of docs/fidelity.md, on synthetic data (fast).
+"""study.fidelity: the measurement code of docs/fidelity.md, on synthetic data (fast).
 
 The q8_0/q4_0 emulation is compared bit for bit with the installed ggml; the fast evaluation (one served array per
 scheme plus a per-query boundary) is compared with OttCache.process_ubatch run the slow way, in decode (one-token
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ott_gguf import fidelity as F
 from ott_gguf import reference as ref
 from ott_gguf.native import ggml_quantize_rows
+from study import fidelity as F
 
 GGML_TYPE_Q4_0 = 2
 GGML_TYPE_Q8_0 = 8
@@ -244,7 +244,7 @@ def test_effective_bits() -> None:
 
 
 def fake_capture(path: Path, T: int, n_layer: int, swa: list[int]) -> None:
-    """A synthetic .npz in ott_gguf.capture's layout (arrays and meta_* keys that read_meta reads)."""
+    """A synthetic .npz in study.capture's layout (arrays and meta_* keys that read_meta reads)."""
     rng = np.random.default_rng(8)
     arrays = {}
     for il in range(n_layer):
@@ -283,7 +283,7 @@ def test_study_and_report_end_to_end(tmp_path: Path) -> None:
     for name in ("q4_0+rot", "kivi2", "ott2", "keep 3 random"):
         assert (r.err[name]["decode"] > 0).all(), name
     assert r.err["ott2"]["decode"][0].tolist() == r.err["kivi2"]["decode"][0].tolist()  # no_outlier_layers=2
-    md = F.write_report([r], tmp_path / "docs", "python -m ott_gguf.fidelity --models fake", 16, 1.0, 2.0)
+    md = F.write_report([r], tmp_path / "docs", "python -m study.fidelity --models fake", 16, 1.0, 2.0)
     text = md.read_text()
     assert "Decision: Gv =" in text and "Decision: mean =" in text and "full-attn layers" in text
     assert (tmp_path / "docs" / "fidelity" / "layers-fake.png").stat().st_size > 0

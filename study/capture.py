@@ -8,7 +8,7 @@ see), values as projected. They are stored as float16 by default, which for K an
 cache holds (the same round-to-nearest-even conversion).
 
     capture("smollm2-135m", None, 4096, "smollm2.npz")        # None: the llama.cpp docs corpus
-    python -m ott_gguf.capture --model gemma3-270m --tokens 4096 --out gemma3.npz
+    python -m study.capture --model gemma3-270m --tokens 4096 --out gemma3.npz
 
 The .npz holds q{il} [n_tokens, n_head, head_dim], k{il} and v{il} [n_tokens, n_head_kv, head_dim] (float16),
 any requested extra per-layer tensors as float32 [n_tokens, elements per token] (e.g. kqv_out{il}, the attention
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from . import corpus
-from ._lib import lib_path, llama_cpp_module
-from .models import MODELS, fetch
+from ott_gguf import corpus
+from ott_gguf._lib import lib_path, llama_cpp_module
+from ott_gguf.models import MODELS, fetch
 
 __all__ = ["QKV", "capture", "main", "read_meta"]
 
@@ -491,7 +491,7 @@ def read_meta(npz: str | os.PathLike[str] | Any) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m ott_gguf.capture",
+        prog="python -m study.capture",
         description="Record a GGUF model's per-layer post-RoPE queries/keys and values on real text (.npz).",
     )
     ap.add_argument("--model", default="smollm2-135m", help=f"{' | '.join(MODELS)} | PATH to a GGUF file")

@@ -1,7 +1,7 @@
 """The side-by-side benchmark of issue 4 (docs/benchmarks.md): K/V bytes per token, llama-bench speed and
 llama-perplexity fidelity of f16, q8_0, q4_0, kivi2 and ott2 on the test models, measured on this machine.
 
-    python -m ott_gguf.benchmarks --out docs/benchmarks.md [--models smollm2-135m,gemma3-270m] [--threads 2]
+    python -m study.benchmarks --out docs/benchmarks.md [--models smollm2-135m,gemma3-270m] [--threads 2]
 
 Every number in the output is measured by the run that writes it; the commands are printed with the tables.
 """
@@ -19,13 +19,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import models
-from ._lib import bin_path
-from .bench import BenchRow, bench
-from .corpus import docs_text
-from .info import measure_kv_bytes
-from .kv_types import resolve_kv_type
-from .server import server_env
+from ott_gguf import models
+from ott_gguf._lib import bin_path
+from ott_gguf.bench import BenchRow, bench
+from ott_gguf.corpus import docs_text
+from ott_gguf.evaluate import import_pyplot
+from ott_gguf.info import measure_kv_bytes
+from ott_gguf.kv_types import resolve_kv_type
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
 MEM_CTX = (2048, 8192, 32768)
@@ -69,7 +69,7 @@ def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[P
             cmd = [*_perplexity_cmd(model, t, text, threads, chunks), "--kl-divergence-base", str(base),
                    "--kl-divergence"]  # fmt: skip
             log.append(" ".join(cmd))
-            r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(t))
+            r = subprocess.run(cmd, capture_output=True, text=True)  # -ctk kivi2 names the kivi2 cache itself
             if r.returncode != 0:
                 raise RuntimeError(f"llama-perplexity failed for {t}:\n{r.stderr[-3000:]}")
             out = r.stdout + r.stderr
@@ -110,7 +110,7 @@ def run(model_names: list[str], threads: int, depths: list[int], chunks: int, re
 
 
 def markdown(res: dict[str, object], depths: list[int]) -> str:
-    lines = [f"Measured {res['started']} on {res['machine']} (`python -m ott_gguf.benchmarks`).", ""]
+    lines = [f"Measured {res['started']} on {res['machine']} (`python -m study.benchmarks`).", ""]
     for name, r in res.items():
         if not isinstance(r, dict):
             continue
@@ -155,7 +155,6 @@ def markdown(res: dict[str, object], depths: list[int]) -> str:
 
 def plot(res: dict[str, object], out_dir: Path) -> list[Path]:
     """One PNG per model from the measured results: cache MiB vs context, decode tok/s vs depth, mean KLD."""
-    from .evaluate import import_pyplot
 
     plt = import_pyplot()
     paths = []
@@ -186,7 +185,7 @@ def plot(res: dict[str, object], out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ott_gguf.benchmarks", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m study.benchmarks", description=__doc__)
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--depths", default="0,4096,8192")

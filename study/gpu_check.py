@@ -6,7 +6,7 @@
 2. llama-bench decode at depth 4096, 8192 and 32768 for f16, q8_0, q4_0 and ott2 side by side on the same GPU,
    written as a table with the ratios to f16 (default docs/benchmarks-gpu.md).
 
-    python -m ott_gguf.gpu_check [--out docs/benchmarks-gpu.md] [--skip-tests]
+    python -m study.gpu_check [--out docs/benchmarks-gpu.md] [--skip-tests]
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import build_info
-from .bench import BenchRow, bench, bench_command
-from .models import fetch
+from ott_gguf import build_info
+from ott_gguf.bench import BenchRow, bench, bench_command
+from ott_gguf.models import fetch
 
 TYPES = ("f16", "q8_0", "q4_0", "ott2")
 DEPTHS = (4096, 8192, 32768)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                  progress=lambda m: print(m, file=sys.stderr))  # fmt: skip
     cmds = "\n".join(shlex.join(bench_command(model, t, depths=DEPTHS, n_prompt=0, n_gen=args.n_gen, threads=None,
                                               reps=3, n_gpu_layers=99)) for t in TYPES)  # fmt: skip
-    text = (f"# ott2 on the GPU: decode speed\n\nMeasured by `python -m ott_gguf.gpu_check` on {gpu} "
+    text = (f"# ott2 on the GPU: decode speed\n\nMeasured by `python -m study.gpu_check` on {gpu} "
             f"({platform.node()}), SmolLM2-135M Q4_1 fully offloaded (-ngl 99), flash attention on, "
             f"{args.n_gen} decode tokens after each depth, 3 repetitions.\n\n{table(rows)}\n\n"
             f"Commands (ott2 through OTT_GGUF_PARAMS defaults):\n\n```sh\n{cmds}\n```\n")  # fmt: skip
