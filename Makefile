@@ -49,7 +49,7 @@ lint: $(BIN)/python
 	$(BIN)/ruff format --check ott_gguf study tests gen models native
 
 test: install apt-test lint
-	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6"
+	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16"
 	$(BIN)/ott-gguf models
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider
 
