@@ -1,4 +1,4 @@
-"""`ott-gguf chat`: an interactive terminal chat on ott_gguf.Llama that shows what its K/V cache holds.
+"""`ott-gguf chat`: an interactive terminal chat on ott_gguf.Llama that shows its K/V cache's size and fill.
 
 The conversation is a list of messages rendered by the GGUF's own chat template on every turn; llama-cpp-python
 keeps the K/V cache of the previous turns and evaluates only the new tokens (its prefix match).
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .info import ModelInfo, formula_bytes_per_token, model_info
 from .kv_types import OTT_KV_TYPES
 
 if TYPE_CHECKING:
@@ -21,67 +21,18 @@ PROMPT = "> "
 HELP = "/reset clears the conversation and the K/V cache; /exit or Ctrl-D quits; Ctrl-C stops an answer"
 
 
-@dataclass(frozen=True)
-class KvShape:
-    """The K/V geometry of a model: every cached position holds K and V rows of n_head_kv * head_dim in
-    each of n_layer layers."""
+def kv_bytes(llm: Llama, model: ModelInfo, kv_type: str | None = None) -> float | None:
+    """Bytes of the K/V cache of llm's context (n_ctx cells), or of a kv_type cache of that size for comparison.
 
-    n_layer: int
-    n_head_kv: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, llm: Llama) -> KvShape:
-        from ._lib import llama_cpp_module
-
-        lc = llama_cpp_module().llama_cpp
-        n_head = int(lc.llama_model_n_head(llm.model))
-        arch = llm.metadata.get("general.architecture", "")
-        # models whose head size is not n_embd / n_head say so in their metadata
-        key_length = llm.metadata.get(f"{arch}.attention.key_length")
-        head_dim = int(key_length) if key_length else int(lc.llama_model_n_embd(llm.model)) // n_head
-        return cls(int(lc.llama_model_n_layer(llm.model)), int(lc.llama_model_n_head_kv(llm.model)), head_dim)
-
-
-def _stock_bytes_per_element(kv_type: str) -> float:
-    """Bytes per K or V element of a stock ggml type, read from the loaded ggml (block size / values per block)."""
-    import ctypes
-
-    from ._lib import ggml_type_ids, llama_cpp_module
-
-    lib = llama_cpp_module().llama_cpp._lib
-    type_size, blck_size = lib.ggml_type_size, lib.ggml_blck_size
-    type_size.restype, type_size.argtypes = ctypes.c_size_t, [ctypes.c_int]
-    blck_size.restype, blck_size.argtypes = ctypes.c_int64, [ctypes.c_int]
-    tid = ggml_type_ids()[kv_type]
-    return float(type_size(tid)) / float(blck_size(tid))
-
-
-def kv_bytes(llm: Llama, shape: KvShape, positions: int, kv_type: str | None = None) -> float:
-    """Bytes that `positions` cached positions of one sequence take in a K/V cache of kv_type (default: llm's).
-
-    Stock types: K and V rows of their ggml type. ott2/kivi2: the accounting of `reference.memory_bits` (2-bit
-    codes and their scales of the sealed groups, the fp16 tail, the outlier and aux pools at capacity) with the
-    build's V block size.
+    llm's own ott2/kivi2 cache is asked (`Llama.kv_cache_info`: its bytes as allocated, by part). A stock cache
+    is n_ctx cells of K and V rows of its ggml type, which is what llama.cpp allocates (its C API has no call that
+    returns the size); None for a sliding-window model, whose window layers hold only the window.
     """
     kv_type = kv_type or llm.kv_type
-    if positions <= 0:
-        return 0.0
-    if kv_type not in OTT_KV_TYPES:
-        elements = 2 * positions * shape.n_layer * shape.n_head_kv * shape.head_dim
-        return elements * _stock_bytes_per_element(kv_type)
-    from . import reference
-    from ._lib import build_info
-
-    cfg = llm.ott_config
-    assert cfg is not None, "an ott2/kivi2 Llama has its OttConfig"
-    ref_cfg = reference.OttConfig(G=cfg.G, R=cfg.R, Gv=int(str(build_info()["ott2_group"])),
-                                  outlier_num=cfg.outlier_num, aux_cap=cfg.aux_cap,
-                                  no_outlier_layers=cfg.no_outlier_layers)  # fmt: skip
-    bits = sum(
-        sum(reference.memory_bits(ref_cfg, shape.head_dim, positions, layer).values()) for layer in range(shape.n_layer)
-    )
-    return bits * shape.n_head_kv / 8
+    if kv_type == llm.kv_type and kv_type in OTT_KV_TYPES:
+        return float(llm.kv_cache_info()["total_bytes"])  # type: ignore[arg-type]
+    per_token = formula_bytes_per_token(model, kv_type)
+    return None if per_token is None else per_token * llm.n_ctx()
 
 
 def format_bytes(n: float) -> str:
@@ -99,13 +50,14 @@ def cached_positions(llm: Llama) -> int:
     return int(positions) if isinstance(positions, int) else int(llm.n_tokens)
 
 
-def kv_line(llm: Llama, shape: KvShape) -> str:
-    """One line on the K/V cache, e.g. "[kv ott2: 2.15 MiB, 64 tokens; f16: 1.41 MiB]" (ott2 adds its pools)."""
-    n = cached_positions(llm)
-    line = f"[kv {llm.kv_type}: {format_bytes(kv_bytes(llm, shape, n))}, {n} tokens"
-    if llm.kv_type != "f16":
-        line += f"; f16: {format_bytes(kv_bytes(llm, shape, n, 'f16'))}"
-    return line + "]"
+def kv_line(llm: Llama, model: ModelInfo) -> str:
+    """One line on the K/V cache: its size, the positions it holds and the size of an f16 cache of the same n_ctx,
+    e.g. "[kv ott2: 31.02 MiB, 64 tokens; f16: 180.00 MiB]" (sizes left out where unknown, see kv_bytes)."""
+    size = kv_bytes(llm, model)
+    f16 = kv_bytes(llm, model, "f16") if llm.kv_type != "f16" else None
+    shown = "" if size is None else f"{format_bytes(size)}, "
+    compared = "" if f16 is None else f"; f16: {format_bytes(f16)}"
+    return f"[kv {llm.kv_type}: {shown}{cached_positions(llm)} tokens{compared}]"
 
 
 class ChatSession:
@@ -116,7 +68,7 @@ class ChatSession:
         self.system = system
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.shape = KvShape.of(llm)
+        self.model = model_info(llm.model_path)  # the attention shape, for the size of a stock cache
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -150,7 +102,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
     def kv_line(self) -> str:
-        return kv_line(self.llm, self.shape)
+        return kv_line(self.llm, self.model)
 
 
 def run(

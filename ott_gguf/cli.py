@@ -147,8 +147,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print()
     print(_table(header, rows))
     note = (
-        f"bytes/token and fixed: the K/V cache allocation each cache logs for contexts of {small} and {large} tokens "
-        f"(to 0.01 MiB: about +-{0.01 * MIB / (large - small):.1f} B/token), one sequence; formula: n_layer x "
+        f"bytes/token and fixed: the K/V cache allocation of contexts of {small} and {large} tokens, one sequence, as "
+        "each cache reports it (ott2/kivi2: through the C API, to the byte; stock types: llama.cpp's log line, to 0.01 "
+        f"MiB: about +-{0.01 * MIB / (large - small):.1f} B/token); formula: n_layer x "
         f"n_head_kv x (K + V head dims) x ggml bytes per element. MiB @ {args.n_ctx} and max n_ctx follow from "
         "bytes/token and fixed; the budget counts the K/V cache only (not the weights or compute buffers), max n_ctx "
         "is rounded down to a multiple of 256."

@@ -4,11 +4,12 @@
 model, and per K/V type the bytes per token and fixed bytes of the cache and the longest context that fits a
 memory budget.
 
-The bytes come from the caches themselves: a context is created at two sizes and the allocation each cache
-logs (llama.cpp's "llama_kv_cache: size = ..." and the ott2 cache's "ott2 cache size = ...", in MiB to two
-decimals) gives a line: slope = bytes per token, intercept = fixed part (ott2's fp16 tail ring and outlier
-pools). The C API has no call that returns these sizes, so the log is the source. For the stock types the
-closed form from ggml's type sizes is printed beside the measurement as a check.
+The bytes come from the caches themselves: a context is created at two sizes and what each cache allocated
+gives a line: slope = bytes per token, intercept = fixed part (ott2's fp16 tail ring and outlier pools). The ott2
+and kivi2 caches report their bytes by part through the C API (`llama_ott_cache_info`, as `Llama.kv_cache_info`).
+llama.cpp's C API has no call that returns a stock cache's size (`llama_get_memory_breakdown` is C++ only, in
+src/llama-ext.h), so for the stock types the size line each cache logs ("llama_kv_cache: size = ... MiB") is read.
+For them the closed form from ggml's type sizes is printed beside the measurement as a check.
 """
 
 from __future__ import annotations
@@ -39,10 +40,8 @@ MEASURE_CTX: tuple[int, int] = (2048, 8192)  # multiples of ott2's group (128): 
 CTX_STEP = 256  # the longest context is rounded down to this (a multiple of ott2's group of 128)
 MIB = 1 << 20
 
+# a stock cache's size, as llama.cpp logs it when it allocates the cache (in MiB to two decimals)
 _STOCK_SIZE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
-_OTT_SIZE = re.compile(
-    r"ott2 cache size =\s*([0-9.]+) MiB: quantized\s*([0-9.]+) MiB, fp16 tail\s*([0-9.]+) MiB, pools\s*([0-9.]+) MiB"
-)
 
 
 @contextmanager
@@ -135,7 +134,7 @@ class KvBytes:
     kv_type: str
     per_token: float
     fixed: float
-    measured: tuple[tuple[int, float], ...]  # (n_ctx, bytes) as the cache logged them
+    measured: tuple[tuple[int, float], ...]  # (n_ctx, bytes) as the cache reported them
     parts: dict[str, float]  # ott2: bytes of quantized / fp16 tail / pools at the larger n_ctx
 
     def at(self, n_ctx: int) -> float:
@@ -149,27 +148,23 @@ class KvBytes:
 
 
 def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[str, float]]:
+    """Bytes the cache of kv_type allocates for n_ctx, and for ott2/kivi2 the bytes by part."""
     from .llama import Llama
 
     with captured_log() as lines:
         # small batches: the compute buffers are not what is measured and need not be large
         # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
         llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
-        llm.close()
-    text = "".join(lines)
-    if kv_type in OTT_KV_TYPES:
-        m = _OTT_SIZE.search(text)
-        if not m:
-            raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
-        total, quant, tail, pools = (float(x) * MIB for x in m.groups())
-        # a sliding-window model's window layers sit in a stock f16 cache next to the ott2 one
-        window = sum(float(x) * MIB for x in _STOCK_SIZE.findall(text))
-        parts = {"quantized": quant, "fp16 tail": tail, "pools": pools}
-        if window:
-            parts["f16 window layers"] = window
-        return total + window, parts
+        try:
+            if kv_type in OTT_KV_TYPES:
+                # the cache's own account, a sliding-window model's f16 window layers included
+                info = llm.kv_cache_info()
+                parts = {name: float(b) for name, b in info["bytes"].items()}  # type: ignore[attr-defined]
+                return float(info["total_bytes"]), parts  # type: ignore[arg-type]
+        finally:
+            llm.close()
     # an interleaved sliding-window model has two caches (full and SWA layers): each logs its size
-    sizes = [float(x) * MIB for x in _STOCK_SIZE.findall(text)]
+    sizes = [float(x) * MIB for x in _STOCK_SIZE.findall("".join(lines))]
     if not sizes:
         raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
     return sum(sizes), {}
