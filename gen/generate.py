@@ -5,9 +5,9 @@ Deterministic: the same templates and parameters give the same bytes. A file is 
 content changes (FlashInfer's write_if_different), so the build recompiles only what changed.
 
 Targets:
-  ggml     the `ott2` ggml type: block struct (ott2-common.inc), reference code for ggml-base
-           (ott2-quants.{h,c}), ISA-dispatched code for ggml-cpu (ott2-cpu.{h,c}) and the CUDA
-           converters (ott2-convert.cuh).
+  ggml     what the ott caches run in the build: the per-head kernels of libllama (ott2-head.{h,c}) and the
+           cache's ops as CUDA (ott2-cuda-ops.cu) and as their CPU emulation (ott2-emu-ops.cpp), with their
+           header ott2-cuda.h.
   kernels  a stand-alone kernel library for tests: every (bits, group) config for every ISA of the
            architecture, each ISA in its own file so it is compiled with its own flags, plus a table.
   cuda     for checks without a GPU: a CUDA translation unit with every block config's device functions
@@ -180,19 +180,11 @@ def render(e: jinja2.Environment, template: str, params: str, **kw: object) -> s
 
 def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
     e = env()
-    p = f"bits={cfg.bits}, group={cfg.group}"
-    common = dict(cfg=cfg)
     hc = HeadConfig(cfg.bits, G, cfg.group)
     ph = f"bits={hc.bits}, G={hc.G}, Gv={hc.Gv}"
     return {
         "ott2-head.h": render(e, "llama_head.h.j2", ph, hc=hc),
         "ott2-head.c": render(e, "llama_head.c.j2", ph, hc=hc),
-        "ott2-common.inc": render(e, "ggml_common.inc.j2", p, **common),
-        "ott2-quants.h": render(e, "ggml_base.h.j2", p, **common),
-        "ott2-quants.c": render(e, "ggml_base.c.j2", p, **common),
-        "ott2-cpu.h": render(e, "ggml_cpu.h.j2", p, **common),
-        "ott2-cpu.c": render(e, "ggml_cpu.c.j2", p, **common),
-        "ott2-convert.cuh": render(e, "ggml_cuda.cuh.j2", p, **common),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=[hc], modes=["cuda", "emu"], alias=hc),
         "ott2-cuda-ops.cu": render(e, "ott_cuda_ops.j2", ph + ", mode=cuda", hc=hc, mode="cuda"),
         # the same kernels emulated on the CPU, for ggml-cpu's OTT_GGUF_EMULATE_CUDA=1 (tests)

@@ -10,8 +10,12 @@ import ctypes
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+
+from .kv_types import OttConfig
 
 PKG_DIR = Path(__file__).resolve().parent
 # OTT_GGUF_NATIVE_DIR: use the native build installed elsewhere (an installed ott_gguf package directory),
@@ -72,54 +76,105 @@ def loaded_library_path() -> str:
     return str(llama_cpp_module().llama_cpp._lib._name)
 
 
+# --- the entry points of the patched libllama that llama-cpp-python does not bind (native/include/llama-ott.h),
+# declared once, on first use ------------------------------------------------------------------------------------
+
+
+class LlamaOttConfig(ctypes.Structure):
+    """struct llama_ott_config."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS]
+
+
+_PROTOTYPES: dict[str, tuple[object, list[object]]] = {
+    "llama_ott_build_info": (ctypes.c_char_p, []),
+    "llama_ott_config_default": (LlamaOttConfig, []),
+    "llama_ott_config_check": (ctypes.c_bool, [ctypes.POINTER(LlamaOttConfig), ctypes.c_char_p, ctypes.c_size_t]),
+    "llama_ott_set_thread_config": (None, [ctypes.POINTER(LlamaOttConfig)]),
+    "llama_ott_kv_types": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int), ctypes.c_int32]),
+    "llama_ott_supports_model": (ctypes.c_bool, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]),
+    "llama_ott_context_config": (ctypes.c_bool, [ctypes.c_void_p, ctypes.POINTER(LlamaOttConfig)]),
+    "llama_ott_cache_info": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]),
+    "llama_ott_kv_cache_bytes": (ctypes.c_int64, [ctypes.c_void_p]),
+    # ggml-base's, reached through libllama (dlsym follows its dependencies)
+    "ggml_type_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_type_size": (ctypes.c_size_t, [ctypes.c_int]),
+    "ggml_blck_size": (ctypes.c_int64, [ctypes.c_int]),
+}
+
+
+@cache
+def native() -> ctypes.CDLL:
+    """The loaded libllama with the prototypes above declared."""
+    lib = llama_cpp_module().llama_cpp._lib
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        f = getattr(lib, name)
+        f.restype = restype
+        f.argtypes = argtypes
+    return lib
+
+
 def llama_ott_build_info() -> str:
-    fn = llama_cpp_module().llama_cpp._lib.llama_ott_build_info
-    fn.restype = ctypes.c_char_p
-    fn.argtypes = []
-    return fn().decode()
+    return native().llama_ott_build_info().decode()
 
 
-# native/patches/0001-ggml-ott2-type.patch appends GGML_TYPE_OTT2 = 43 (GGML_TYPE_COUNT becomes 44)
-GGML_TYPE_OTT2 = 43
+@cache
+def ott_kv_type_ids() -> dict[str, int]:
+    """The ott cache types of the loaded build (name -> ggml type id), as its C table lists them."""
+    lib = native()
+    n = lib.llama_ott_kv_types(None, 0)
+    ids = (ctypes.c_int * n)()
+    lib.llama_ott_kv_types(ids, n)
+    return {lib.ggml_type_name(t).decode(): int(t) for t in ids}
 
 
 @cache
 def ggml_type_ids() -> dict[str, int]:
     """Every ggml type name of the loaded build -> its id, read from the library itself."""
-    lib = llama_cpp_module().llama_cpp._lib  # dlsym on it also finds libggml-base's symbols
-    fn = lib.ggml_type_name
-    fn.restype = ctypes.c_char_p
-    fn.argtypes = [ctypes.c_int]
+    lib = native()
+    ott = ott_kv_type_ids()
     out: dict[str, int] = {}
-    for i in range(GGML_TYPE_OTT2 + 1):  # ggml_type_name does not range-check in release builds
-        raw = fn(i)
+    for i in range(max(ott.values()) + 1):  # the ott ids close ggml's type enum (patch 0001)
+        raw = lib.ggml_type_name(i)
         name = raw.decode() if raw else ""
         if name and name != "DEPRECATED":
             out[name] = i
-    if out.get("ott2") != GGML_TYPE_OTT2:
-        raise NativeLibraryError(f"the loaded ggml has no ott2 type at id {GGML_TYPE_OTT2}: not ott-gguf's build")
     return out
 
 
-# --- ott2 entry points of the patched libllama (native/include/llama-ott.h) ---------------------------------
+def type_bytes(name: str, n: int) -> float:
+    """Bytes of n values of a stock ggml type (ggml_row_size: blocks of blck_size values)."""
+    lib = native()
+    t = ggml_type_ids()[name]
+    return n * lib.ggml_type_size(t) / lib.ggml_blck_size(t)
 
 
-def _fn(name: str, restype: object, argtypes: list[object]):  # -> ctypes function
-    f = getattr(llama_cpp_module().llama_cpp._lib, name)
-    f.restype = restype
-    f.argtypes = argtypes
-    return f
+def config_problem(cfg: OttConfig) -> str:
+    """Why this build's ott caches refuse cfg ("" when they accept it)."""
+    buf = ctypes.create_string_buffer(256)
+    ok = native().llama_ott_config_check(ctypes.byref(LlamaOttConfig(*cfg.native())), buf, len(buf))
+    return "" if ok else buf.value.decode()
 
 
-def ott_set_params(G: int, R: int, outlier_num: int, aux_cap: int, no_outlier_layers: int) -> None:
-    """Parameters for the ott2 caches created from now on in this process."""
-    _fn("llama_ott_set_params", None, [ctypes.c_int32] * 5)(G, R, outlier_num, aux_cap, no_outlier_layers)
+@contextmanager
+def thread_config(cfg: OttConfig) -> Iterator[None]:
+    """The configuration of the ott caches that llama_init_from_model creates on this thread inside the block."""
+    lib = native()
+    lib.llama_ott_set_thread_config(ctypes.byref(LlamaOttConfig(*cfg.native())))
+    try:
+        yield
+    finally:
+        lib.llama_ott_set_thread_config(None)
 
 
-def ott_get_params() -> tuple[int, ...]:
-    out = (ctypes.c_int32 * 5)()
-    _fn("llama_ott_get_params", None, [ctypes.POINTER(ctypes.c_int32)])(out)
-    return tuple(out)
+def context_config(ctx: object) -> OttConfig | None:
+    """The configuration a context's ott cache runs (kivi types: no outliers), or None without one."""
+    out = LlamaOttConfig()
+    if not native().llama_ott_context_config(ctx, ctypes.byref(out)):
+        return None
+    return OttConfig(
+        **{name: getattr(out, name) for name in OttConfig.NATIVE_FIELDS}, Gv=int(str(build_info()["ott2_group"]))
+    )
 
 
 OTT_CACHE_INFO_FIELDS = ("positions", "sealed", "quantized_bytes", "tail_bytes", "pool_bytes", "outlier_slots",
@@ -127,18 +182,21 @@ OTT_CACHE_INFO_FIELDS = ("positions", "sealed", "quantized_bytes", "tail_bytes",
 
 
 def ott_cache_info(ctx: object) -> dict[str, int] | None:
-    """What a context's ott2 cache holds (see llama_ott_cache_info in native/include/llama-ott.h), or None when
-    the context has no ott2 cache."""
+    """What a context's ott cache holds (see llama_ott_cache_info in native/include/llama-ott.h), or None when
+    the context has no ott cache."""
     k = len(OTT_CACHE_INFO_FIELDS)
     out = (ctypes.c_int64 * k)()
-    n = _fn("llama_ott_cache_info", ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32])(
-        ctx, out, k
-    )
+    n = native().llama_ott_cache_info(ctx, out, k)
     return dict(zip(OTT_CACHE_INFO_FIELDS, (int(v) for v in out), strict=True)) if n == k else None
 
 
+def kv_cache_bytes(ctx: object) -> int:
+    """Bytes a context's K/V cache allocated, for any cache type (llama_ott_kv_cache_bytes)."""
+    return int(native().llama_ott_kv_cache_bytes(ctx))
+
+
 def ott_model_problem(model_path: str) -> str:
-    """Why the ott2 cache cannot serve the model at model_path ("" when it can)."""
+    """Why the ott caches cannot serve the model at model_path ("" when they can)."""
     lc = llama_cpp_module().llama_cpp
     params = lc.llama_model_default_params()
     params.vocab_only = True  # the architecture and hparams are read before the tensors: no weights needed
@@ -149,9 +207,7 @@ def ott_model_problem(model_path: str) -> str:
         raise ValueError(f"could not load the model {model_path}")
     try:
         buf = ctypes.create_string_buffer(512)
-        ok = _fn("llama_ott_supports_model", ctypes.c_bool, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t])(
-            model, buf, len(buf)
-        )
+        ok = native().llama_ott_supports_model(model, buf, len(buf))
         return "" if ok else buf.value.decode()
     finally:
         lc.llama_model_free(model)

@@ -1,7 +1,7 @@
 """Prefill and decode speed per K/V cache type and context depth, measured by the bundled llama-bench.
 
 `ott-gguf bench MODEL` runs `llama-bench -ctk T -ctv T -fa 1 -d DEPTHS -p P -n N -o json` once per cache type
-(kivi2 is the ott2 cache with no outliers, chosen through OTT_GGUF_PARAMS as for llama-server) and reads its
+(ott2 and kivi2, the ott cache without outliers, are cache types like the stock ones) and reads its
 JSON: "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at a time, each after
 `depth` tokens already in the cache.
 """
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._lib import bin_path
-from .kv_types import OTT_KV_TYPES, resolve_kv_type
-from .server import server_env
+from .kv_types import resolve_kv_type
 
 __all__ = ["BenchRow", "bench", "bench_command", "parse_bench_json", "plot_bench"]
 
@@ -37,7 +36,7 @@ class BenchRow:
 
 def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
                   threads: int | None, reps: int, n_gpu_layers: int | None = None) -> list[str]:  # fmt: skip
-    ctype = "ott2" if resolve_kv_type(kv_type) in OTT_KV_TYPES else resolve_kv_type(kv_type)
+    ctype = resolve_kv_type(kv_type)
     cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", ctype, "-ctv", ctype, "-fa", "1",
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-o", "json"]  # fmt: skip
@@ -98,7 +97,7 @@ def bench(
         )
         if progress:
             progress(f"{t}: {' '.join(cmd)}")
-        res = subprocess.run(cmd, env=server_env(t), capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"llama-bench failed for {t} (exit {res.returncode}):\n{res.stderr[-2000:]}")
         rows += parse_bench_json(res.stdout, t)

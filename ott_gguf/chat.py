@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from . import _lib
 from .info import ModelInfo, formula_bytes_per_token, model_info
-from .kv_types import OTT_KV_TYPES
 
 if TYPE_CHECKING:
     from .llama import Llama
@@ -24,13 +24,13 @@ HELP = "/reset clears the conversation and the K/V cache; /exit or Ctrl-D quits;
 def kv_bytes(llm: Llama, model: ModelInfo, kv_type: str | None = None) -> float | None:
     """Bytes of the K/V cache of llm's context (n_ctx cells), or of a kv_type cache of that size for comparison.
 
-    llm's own ott2/kivi2 cache is asked (`Llama.kv_cache_info`: its bytes as allocated, by part). A stock cache
-    is n_ctx cells of K and V rows of its ggml type, which is what llama.cpp allocates (its C API has no call that
-    returns the size); None for a sliding-window model, whose window layers hold only the window.
+    llm's own cache, whatever its type, is asked (`llama_ott_kv_cache_bytes`: its bytes as allocated). Another
+    type's cache is n_ctx cells of K and V rows of its ggml type, which is what llama.cpp would allocate; None for
+    an ott type or a sliding-window model, whose window layers hold only the window.
     """
     kv_type = kv_type or llm.kv_type
-    if kv_type == llm.kv_type and kv_type in OTT_KV_TYPES:
-        return float(llm.kv_cache_info()["total_bytes"])  # type: ignore[arg-type]
+    if kv_type == llm.kv_type:
+        return float(_lib.kv_cache_bytes(llm._ctx.ctx))
     per_token = formula_bytes_per_token(model, kv_type)
     return None if per_token is None else per_token * llm.n_ctx()
 

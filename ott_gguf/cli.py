@@ -45,13 +45,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import server_command, server_env
+    from .server import server_command
 
     path = _model_path(args.model)
     extra = list(args.passthrough)
     cmd = server_command(path, kv_type=args.kv_type, host=args.host, port=args.port, extra=extra)
     print(f"ott-gguf: serving {path.name} with kv_type={args.kv_type} at http://{args.host}:{args.port}", flush=True)
-    os.execve(cmd[0], cmd, server_env(args.kv_type))
+    os.execv(cmd[0], cmd)
     return 0  # not reached
 
 
@@ -148,8 +148,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(_table(header, rows))
     note = (
         f"bytes/token and fixed: the K/V cache allocation of contexts of {small} and {large} tokens, one sequence, as "
-        "each cache reports it (ott2/kivi2: through the C API, to the byte; stock types: llama.cpp's log line, to 0.01 "
-        f"MiB: about +-{0.01 * MIB / (large - small):.1f} B/token); formula: n_layer x "
+        "the cache reports it through the C API (to the byte); formula: n_layer x "
         f"n_head_kv x (K + V head dims) x ggml bytes per element. MiB @ {args.n_ctx} and max n_ctx follow from "
         "bytes/token and fixed; the budget counts the K/V cache only (not the weights or compute buffers), max n_ctx "
         "is rounded down to a multiple of 256."

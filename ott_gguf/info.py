@@ -5,17 +5,15 @@ model, and per K/V type the bytes per token and fixed bytes of the cache and the
 memory budget.
 
 The bytes come from the caches themselves: a context is created at two sizes and what each cache allocated
-gives a line: slope = bytes per token, intercept = fixed part (ott2's fp16 tail ring and outlier pools). The ott2
-and kivi2 caches report their bytes by part through the C API (`llama_ott_cache_info`, as `Llama.kv_cache_info`).
-llama.cpp's C API has no call that returns a stock cache's size (`llama_get_memory_breakdown` is C++ only, in
-src/llama-ext.h), so for the stock types the size line each cache logs ("llama_kv_cache: size = ... MiB") is read.
-For them the closed form from ggml's type sizes is printed beside the measurement as a check.
+(`llama_ott_kv_cache_bytes`: the memory module's own breakdown, for any cache type) gives a line: slope = bytes
+per token, intercept = fixed part (ott2's fp16 tail ring and outlier pools). The ott2 and kivi2 caches also
+report their bytes by part (`llama_ott_cache_info`, as `Llama.kv_cache_info`). For the stock types the closed
+form from ggml's type sizes is printed beside the measurement as a check.
 """
 
 from __future__ import annotations
 
 import ctypes
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,9 +37,6 @@ INFO_KV_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
 MEASURE_CTX: tuple[int, int] = (2048, 8192)  # multiples of ott2's group (128): its allocation is linear there
 CTX_STEP = 256  # the longest context is rounded down to this (a multiple of ott2's group of 128)
 MIB = 1 << 20
-
-# a stock cache's size, as llama.cpp logs it when it allocates the cache (in MiB to two decimals)
-_STOCK_SIZE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
 
 
 @contextmanager
@@ -151,23 +146,18 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[
     """Bytes the cache of kv_type allocates for n_ctx, and for ott2/kivi2 the bytes by part."""
     from .llama import Llama
 
-    with captured_log() as lines:
-        # small batches: the compute buffers are not what is measured and need not be large
-        # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
-        llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
-        try:
-            if kv_type in OTT_KV_TYPES:
-                # the cache's own account, a sliding-window model's f16 window layers included
-                info = llm.kv_cache_info()
-                parts = {name: float(b) for name, b in info["bytes"].items()}  # type: ignore[attr-defined]
-                return float(info["total_bytes"]), parts  # type: ignore[arg-type]
-        finally:
-            llm.close()
-    # an interleaved sliding-window model has two caches (full and SWA layers): each logs its size
-    sizes = [float(x) * MIB for x in _STOCK_SIZE.findall("".join(lines))]
-    if not sizes:
-        raise RuntimeError(f"the {kv_type} cache logged no size line for {path.name}")
-    return sum(sizes), {}
+    # small batches: the compute buffers are not what is measured and need not be large
+    # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
+    llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
+    try:
+        parts: dict[str, float] = {}
+        if kv_type in OTT_KV_TYPES:
+            # the cache's own account by part, a sliding-window model's f16 window layers included
+            info = llm.kv_cache_info()
+            parts = {name: float(b) for name, b in info["bytes"].items()}  # type: ignore[attr-defined]
+        return float(_lib.kv_cache_bytes(llm._ctx.ctx)), parts
+    finally:
+        llm.close()
 
 
 def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
@@ -188,12 +178,7 @@ def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
 
 def ggml_type_size(kv_type: str) -> float:
     """Bytes per element of a stock ggml type: bytes per block / elements per block."""
-    lib = _lib.llama_cpp_module().llama_cpp._lib
-    tid = _lib.ggml_type_ids()[resolve_kv_type(kv_type)]
-    size, blck = lib.ggml_type_size, lib.ggml_blck_size
-    size.restype, size.argtypes = ctypes.c_size_t, [ctypes.c_int]
-    blck.restype, blck.argtypes = ctypes.c_int64, [ctypes.c_int]
-    return size(tid) / blck(tid)
+    return _lib.type_bytes(resolve_kv_type(kv_type), 1)
 
 
 def formula_bytes_per_token(info: ModelInfo, kv_type: str) -> float | None:

@@ -1,49 +1,120 @@
-"""K/V cache type names and the ott2 parameters (no native library needed to import this)."""
+"""K/V cache type names and the one configuration of the ott caches (no native library needed to import this).
+
+`OttConfig` is used both by `Llama(kv_type="ott2", ott_config=...)` and by the numpy reference
+(`ott_gguf.reference`). Its own checks are the algorithm's (spec/ott2-algorithm.md); what a build's native cache
+accepts on top of that (G and Gv of its generated kernels, upper bounds) is checked once, in C
+(`llama_ott_config_check`, native/src/llama-ott.cpp), and reported with its reason.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 # K/V cache types of the pinned llama.cpp (common/arg.cpp kv_cache_types, less f32)
 STOCK_KV_TYPES: tuple[str, ...] = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# the caches of this project: ott2, and kivi2 (the same cache with no outlier tokens: the baseline)
+# the caches of this project, each a ggml type id that selects the ott cache (native/src/llama-ott.cpp lists
+# them; a test checks that the two lists agree): ott2, and kivi2 (the same cache with no outlier tokens)
 OTT_KV_TYPES: tuple[str, ...] = ("ott2", "kivi2")
 KV_TYPES: tuple[str, ...] = STOCK_KV_TYPES + OTT_KV_TYPES
+# ott types without outlier tokens: the KIVI baselines
+KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswith("kivi"))
+
+MeanMode = Literal["non_outlier", "all"]
+_BITS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
 class OttConfig:
-    """Parameters of the ott2 cache (spec/ott2-algorithm.md). Gv (values per V block) is fixed by the build."""
+    """Parameters of the ott caches (spec/ott2-algorithm.md).
+
+    The native cache takes G, R, outlier_num, aux_cap and no_outlier_layers (C struct `llama_ott_config`); its
+    code width comes from the K/V type (ott2: 2 bits) and Gv from the build. bits, Gv, mean and identity are
+    variants of the numpy reference: mean "non_outlier" (the spec's decision) or "all" (the paper's wording) for
+    the placeholder value; identity switches quantization off (x_hat = x), so that the output must equal dense
+    attention. outlier_num = 0 is the KIVI baseline ("kivi2").
+    """
 
     G: int = 128
     R: int = 32
     outlier_num: int = 3
     aux_cap: int = 32
     no_outlier_layers: int = 2
+    bits: int = 2
+    Gv: int = 64
+    mean: MeanMode = "non_outlier"
+    identity: bool = False
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("mean", "identity"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"ott_config.{name} must be a non-negative integer, got {value!r}")
-        if self.G != 128:
-            raise ValueError(f"ott_config.G must be 128 in this build (its kernels are generated for it), got {self.G}")
-        if self.outlier_num >= self.G or self.outlier_num > 64:
-            raise ValueError(f"ott_config.outlier_num must be below 65, got {self.outlier_num}")
+                raise ValueError(f"ott_config.{f.name} must be a non-negative integer, got {value!r}")
+        if self.bits not in _BITS:
+            raise ValueError(f"ott_config.bits must be one of {_BITS}, got {self.bits}")
+        for name in ("G", "Gv"):
+            group = getattr(self, name)
+            if group == 0 or group % 32 != 0 or group > 256:
+                raise ValueError(f"ott_config.{name} must be a multiple of 32 in [32, 256], got {group}")
+        if self.outlier_num >= self.G:
+            # a group must keep at least one non-outlier token to define the placeholder mean
+            raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")
+        if self.mean not in ("non_outlier", "all"):
+            raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
+        if not isinstance(self.identity, bool):
+            raise ValueError(f"ott_config.identity must be a bool, got {self.identity!r}")
+
+    # the fields of the native cache's configuration (C struct llama_ott_config), in its order
+    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers")
 
     @classmethod
-    def of(cls, value: OttConfig | dict[str, int] | None) -> OttConfig:
+    def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
+        """An OttConfig from itself, a dict of its fields, or None (the defaults)."""
         if value is None:
             return cls()
         if isinstance(value, OttConfig):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            names = [f.name for f in fields(cls)]
+            unknown = sorted(set(value) - set(names))
             if unknown:
-                raise ValueError(
-                    f"unknown ott_config keys: {', '.join(unknown)}; valid: {', '.join(cls.__dataclass_fields__)}"
-                )
+                raise ValueError(f"unknown ott_config keys: {', '.join(unknown)}; valid: {', '.join(names)}")
             return cls(**value)
         raise ValueError(f"ott_config must be an OttConfig or a dict, got {type(value).__name__}")
+
+    @classmethod
+    def kivi2(cls, **kwargs: Any) -> OttConfig:
+        """The KIVI-2 baseline with OTT's G/R schedule: no outlier pools anywhere."""
+        return cls(outlier_num=0, **kwargs)
+
+    def replace(self, **changes: Any) -> OttConfig:
+        return OttConfig(**{**asdict(self), **changes})
+
+    def for_kv_type(self, kv_type: str) -> OttConfig:
+        """The configuration an ott cache of this type runs: the KIVI types have no outliers."""
+        return self.replace(outlier_num=0) if kv_type in KIVI_KV_TYPES else self
+
+    def native(self) -> tuple[int, ...]:
+        """The values of NATIVE_FIELDS."""
+        return tuple(getattr(self, n) for n in self.NATIVE_FIELDS)
+
+    def outliers_for_layer(self, layer: int) -> int:
+        """Outlier pool capacity of a layer: the first no_outlier_layers layers have none."""
+        return 0 if layer < self.no_outlier_layers else self.outlier_num
+
+    @property
+    def k_format(self) -> Any:  # quantizer.BlockFormat (imported lazily: this module stays dependency-free)
+        from .quantizer import BlockFormat
+
+        return BlockFormat(self.bits, self.G)
+
+    @property
+    def v_format(self) -> Any:
+        from .quantizer import BlockFormat
+
+        return BlockFormat(self.bits, self.Gv)
 
 
 def resolve_kv_type(kv_type: object) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -27,8 +28,9 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
     Llama(model_path, kv_type="ott2", n_ctx=8192, ...) takes every keyword of llama_cpp.Llama except
     type_k/type_v (kv_type replaces them); unknown keywords raise TypeError instead of being ignored.
     Quantized cache types need flash attention, which is switched on for them (and by default for all).
-    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers) tunes ott2; kivi2 is ott2
-    without outlier tokens.
+    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers) tunes the ott caches of this
+    Llama only (other Llama objects, in this thread or another, keep theirs); kivi2 is ott2 without outlier
+    tokens. After creation, `ott_config` is the configuration the cache runs, read back from it.
     """
 
     def __init__(
@@ -52,32 +54,53 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                 "leave flash_attn at its default (on)"
             )
         if ott_config is not None and name not in OTT_KV_TYPES:
-            raise ValueError(f"ott_config applies to kv_type 'ott2' or 'kivi2', not {name!r}")
+            raise ValueError(f"ott_config applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {name!r}")
         self.kv_type = name
         self.ott_config: OttConfig | None = None
+        scope: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if name in OTT_KV_TYPES:
             cfg = OttConfig.of(ott_config)
-            if name == "kivi2":
-                cfg = OttConfig(**{**cfg.__dict__, "outlier_num": 0})
+            self._check_ott_config(name, cfg)
             # the check loads the model before the stock __init__ applies `verbose` to llama.cpp's log: apply it now
             _llama_cpp._logger.set_verbose(bool(kwargs.get("verbose", True)))
             problem = _lib.ott_model_problem(str(model_path))
             if problem:
                 raise ValueError(f"kv_type={name!r} cannot be used with {model_path}: {problem}")
-            _lib.ott_set_params(cfg.G, cfg.R, cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers)
-            self.ott_config = cfg
-            type_id = _lib.GGML_TYPE_OTT2
+            type_id = _lib.ott_kv_type_ids()[name]
+            # this context's configuration, on this thread only while the stock __init__ creates the context
+            scope = _lib.thread_config(cfg)
         else:
             type_id = _lib.ggml_type_ids()[name]
-        super().__init__(
-            model_path=model_path,
-            type_k=type_id,
-            type_v=type_id,
-            flash_attn=True if flash_attn is None else bool(flash_attn),
-            **kwargs,
-        )
-        if name in OTT_KV_TYPES and _lib.ott_cache_info(self._ctx.ctx) is None:
-            raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott2 cache")
+        with scope:
+            super().__init__(
+                model_path=model_path,
+                type_k=type_id,
+                type_v=type_id,
+                flash_attn=True if flash_attn is None else bool(flash_attn),
+                **kwargs,
+            )
+        if name in OTT_KV_TYPES:
+            # what the cache runs (kivi types: no outliers), read back from it
+            self.ott_config = _lib.context_config(self._ctx.ctx)
+            if self.ott_config is None:
+                raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott cache")
+
+    @staticmethod
+    def _check_ott_config(name: str, cfg: OttConfig) -> None:
+        """What the native cache cannot take, with the build's own reason."""
+        default = OttConfig()
+        for field in ("bits", "mean", "identity"):
+            if getattr(cfg, field) != getattr(default, field):
+                raise ValueError(
+                    f"ott_config.{field}={getattr(cfg, field)!r} is a variant of the numpy reference only; the "
+                    f"native {name} cache runs {field}={getattr(default, field)!r}"
+                )
+        gv = int(str(_lib.build_info()["ott2_group"]))
+        if cfg.Gv != gv:
+            raise ValueError(f"ott_config.Gv must be {gv} in this build (-DOTT_GGUF_V_GROUP), got {cfg.Gv}")
+        problem = _lib.config_problem(cfg)
+        if problem:
+            raise ValueError(f"ott_config: {problem}")
 
     def kv_cache_info(self) -> dict[str, object]:
         """The K/V cache type and, for ott2/kivi2: positions held and sealed, bytes allocated by part (quantized

@@ -39,65 +39,11 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import numpy as np
 
-from .quantizer import BlockFormat, Quantized, dequantize, quantize
-
-MeanMode = Literal["non_outlier", "all"]
-
-
-@dataclass(frozen=True)
-class OttConfig:
-    """Parameters of spec/ott2-algorithm.md. outlier_num = 0 is the KIVI-2 baseline ("kivi2").
-
-    mean: "non_outlier" (the spec's decision) or "all" (the paper's wording) for the placeholder value.
-    identity: quantization switched off (x_hat = x; codes, scales and mins are stored as zeros). Everything else
-    (scores, pools, placeholders, sealing) runs unchanged, so the output must equal dense attention.
-    """
-
-    bits: int = 2
-    G: int = 128
-    R: int = 32
-    Gv: int = 64
-    outlier_num: int = 3
-    aux_cap: int = 32
-    no_outlier_layers: int = 2
-    mean: MeanMode = "non_outlier"
-    identity: bool = False
-
-    def __post_init__(self) -> None:
-        # BlockFormat checks bits and that both group sizes are positive multiples of 32
-        BlockFormat(self.bits, self.G)
-        BlockFormat(self.bits, self.Gv)
-        if self.R < 0:
-            raise ValueError(f"R must be >= 0, got {self.R}")
-        if not 0 <= self.outlier_num < self.G:
-            # a group must keep at least one non-outlier token to define the placeholder mean
-            raise ValueError(f"outlier_num must be in [0, G), got {self.outlier_num}")
-        if self.aux_cap < 0 or self.no_outlier_layers < 0:
-            raise ValueError("aux_cap and no_outlier_layers must be >= 0")
-        if self.mean not in ("non_outlier", "all"):
-            raise ValueError(f"mean must be 'non_outlier' or 'all', got {self.mean!r}")
-
-    @classmethod
-    def kivi2(cls, **kwargs: Any) -> OttConfig:
-        """The KIVI-2 baseline with OTT's G/R schedule: no outlier pools anywhere."""
-        return cls(outlier_num=0, **kwargs)
-
-    def outliers_for_layer(self, layer: int) -> int:
-        """Outlier pool capacity of a layer: the first no_outlier_layers layers have none."""
-        return 0 if layer < self.no_outlier_layers else self.outlier_num
-
-    @property
-    def k_format(self) -> BlockFormat:
-        return BlockFormat(self.bits, self.G)
-
-    @property
-    def v_format(self) -> BlockFormat:
-        return BlockFormat(self.bits, self.Gv)
-
+from .kv_types import OttConfig
+from .quantizer import Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
 

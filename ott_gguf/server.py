@@ -29,17 +29,24 @@ def server_command(
     host: str = "127.0.0.1",
     port: int = 8080,
     extra: Sequence[str] = (),
+    ott_config: OttConfig | None = None,
 ) -> list[str]:
-    """The llama-server command line: kv_type maps to -ctk/-ctv (and flash attention on)."""
+    """The llama-server command line: kv_type maps to -ctk/-ctv (and flash attention on), ott_config to
+    --ott-params."""
     name = resolve_kv_type(kv_type)
-    ctype = "ott2" if name in OTT_KV_TYPES else name
     if not Path(model).exists():
         raise FileNotFoundError(f"model file not found: {model}")
     for flag in ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"):
         if flag in extra:
             raise ValueError(f"{flag} is set by --kv-type; do not pass it too")
+    if ott_config is not None and "--ott-params" in extra:
+        raise ValueError("--ott-params is set by ott_config; do not pass it too")
+    if ott_config is not None and name not in OTT_KV_TYPES:
+        raise ValueError(f"ott_config applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {name!r}")
     cmd = [str(bin_path("llama-server")), "-m", str(model), "--host", host, "--port", str(port),
-           "-ctk", ctype, "-ctv", ctype, "-fa", "on"]  # fmt: skip
+           "-ctk", name, "-ctv", name, "-fa", "on"]  # fmt: skip
+    if ott_config is not None:
+        cmd += ["--ott-params", ",".join(str(v) for v in ott_config.native())]
     if name in OTT_KV_TYPES and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):
         # ott2 keeps one stream per sequence: tell the server, so each slot's context is n_ctx / n_slots
         # (llama-server forces a unified cache when the slot count is left on auto, so name it: 4, its auto value)
@@ -47,17 +54,6 @@ def server_command(
         if not {"-np", "--parallel"} & set(extra):
             cmd += ["-np", "4"]
     return cmd + list(extra)
-
-
-def server_env(kv_type: str, ott_config: OttConfig | None = None) -> dict[str, str]:
-    """Environment for llama-server: the ott2 parameters travel in OTT_GGUF_PARAMS (kivi2: no outliers)."""
-    env = os.environ.copy()
-    name = resolve_kv_type(kv_type)
-    if name in OTT_KV_TYPES:
-        c = ott_config or OttConfig()
-        outliers = 0 if name == "kivi2" else c.outlier_num
-        env["OTT_GGUF_PARAMS"] = f"{c.G},{c.R},{outliers},{c.aux_cap},{c.no_outlier_layers}"
-    return env
 
 
 class Server:
@@ -126,4 +122,4 @@ def start(
     """Start llama-server on host:port (a free port when None) and return without waiting for health."""
     port = free_port(host) if port is None else port
     cmd = server_command(model, kv_type=kv_type, host=host, port=port, extra=extra)
-    return Server(cmd, host, port, log, env=server_env(kv_type))
+    return Server(cmd, host, port, log)

@@ -47,45 +47,6 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
-def test_patched_ggml_cuda_convert_compiles(arch: str, tmp_path: Path) -> None:
-    """ggml-cuda's convert.cu with the ott2 hunks and the generated dequantize_ott2, as the CUDA build
-    compiles it (the rest of ggml-cuda is untouched by this project)."""
-    require_tool("nvcc", hint="the CUDA toolkit")
-    from ott_gguf import build_info
-
-    src = Path(str(build_info()["llama_src"]))
-    cuda_dir = src / "ggml" / "src" / "ggml-cuda"
-    gen = src.parent / "ott-gen" / "ggml"
-    assert (cuda_dir / "convert.cu").exists() and (gen / "ott2-convert.cuh").exists()
-    obj = tmp_path / "convert.o"
-    res = subprocess.run(
-        [
-            "nvcc",
-            "-c",
-            "-O2",
-            "-std=c++17",
-            f"-arch={arch}",
-            "-I",
-            str(cuda_dir),
-            "-I",
-            str(cuda_dir.parent),
-            "-I",
-            str(src / "ggml" / "include"),
-            "-I",
-            str(gen),
-            str(cuda_dir / "convert.cu"),
-            "-o",
-            str(obj),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    syms = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
-    assert "dequantize_ott2" in syms
-
-
-@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
 def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
     program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture."""

@@ -22,7 +22,15 @@ def greedy(llm: Llama, prompt: str = PROMPT, n: int = 24) -> str:
 def test_loaded_library_is_ours() -> None:
     assert Path(ott_gguf.loaded_library_path()).resolve().parent == LIB_DIR.resolve()
     info = ott_gguf.llama_ott_build_info()  # only the patched libllama exports this
-    assert info.startswith("ott-gguf ") and "ggml type ott2: 2-bit" in info
+    assert info.startswith("ott-gguf ") and "ott caches: 2-bit codes, G=128" in info
+
+
+def test_the_ott_types_of_python_are_the_librarys() -> None:
+    """The names Python accepts are the ott cache types the native table lists, selected by their ggml ids."""
+    ids = ott_gguf._lib.ott_kv_type_ids()
+    assert tuple(ids) == ott_gguf.OTT_KV_TYPES
+    stock = ott_gguf._lib.ggml_type_ids()
+    assert all(stock[name] == i for name, i in ids.items()) and len(set(ids.values())) == len(ids)
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])

@@ -9,7 +9,6 @@ import numpy as np
 from ott_gguf import _lib
 from ott_gguf.corpus import docs_text
 
-GGML_TYPE_OTT2 = 43
 LLAMA_FLASH_ATTN_TYPE_ENABLED = 1
 
 
@@ -18,16 +17,15 @@ class Ctx:
 
     def __init__(self, model: object, n_seq: int, n_ctx_seq: int) -> None:
         self.lc = _lib.llama_cpp_module().llama_cpp
-        _lib.ott_set_params(128, 32, 3, 32, 2)
         p = self.lc.llama_context_default_params()
         p.n_ctx = n_ctx_seq * n_seq
         p.n_batch = p.n_ubatch = 512
         p.n_seq_max = n_seq
         p.kv_unified = False
-        p.type_k = p.type_v = GGML_TYPE_OTT2
+        p.type_k = p.type_v = _lib.ott_kv_type_ids()["ott2"]
         p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED
         p.n_threads = p.n_threads_batch = 2
-        self.ctx = self.lc.llama_init_from_model(model, p)
+        self.ctx = self.lc.llama_init_from_model(model, p)  # the default configuration
         assert self.ctx, "could not create the context"
         self.n_vocab = self.lc.llama_vocab_n_tokens(self.lc.llama_model_get_vocab(model))
         self.batch = self.lc.llama_batch_init(512, 0, n_seq)

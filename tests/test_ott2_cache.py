@@ -175,6 +175,42 @@ def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
         Llama(str(smollm2), kv_type="ott2", ott_config={"G": 64})
     with pytest.raises(ValueError, match="ott_config applies"):
         Llama(str(smollm2), kv_type="q8_0", ott_config={"R": 16})
+    # what the build cannot run is refused with its reason, before anything is allocated
+    with pytest.raises(ValueError, match="R=100000 is outside"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"R": 100000}, n_ctx=512)
+    with pytest.raises(ValueError, match="outlier_num=65 is outside"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"outlier_num": 65}, n_ctx=512)
+    with pytest.raises(ValueError, match="variant of the numpy reference"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"mean": "all"}, n_ctx=512)
+
+
+def test_each_llama_keeps_its_own_configuration_also_across_threads(smollm2: Path) -> None:
+    """The configuration belongs to the context: Llama objects created one after the other or concurrently from
+    two threads each run theirs (read back from their caches), and a Llama created afterwards without one gets
+    the defaults, not a leftover."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfgs = [OttConfig(R=16, outlier_num=5), OttConfig(R=64, aux_cap=8, no_outlier_layers=0)]
+
+    def make(cfg: OttConfig) -> Llama:
+        return Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=512, n_threads=1, verbose=False)
+
+    for _ in range(3):
+        with ThreadPoolExecutor(2) as pool:
+            made = list(pool.map(make, cfgs))
+        for llm, cfg in zip(made, cfgs, strict=True):
+            assert llm.ott_config == cfg
+            assert llm.kv_cache_info()["config"] == cfg
+            llm.close()
+    plain = Llama(str(smollm2), kv_type="ott2", n_ctx=512, verbose=False)
+    assert plain.ott_config == OttConfig()
+    kivi = Llama(str(smollm2), kv_type="kivi2", ott_config=cfgs[0], n_ctx=512, verbose=False)
+    assert kivi.ott_config == cfgs[0].replace(outlier_num=0)  # resolved once, in the cache
+    # a kivi2 state is not an ott2 state of the same parameters
+    kivi.eval(kivi.tokenize(b"Hello there, how are you today?"))
+    other = Llama(str(smollm2), kv_type="ott2", ott_config=cfgs[0], n_ctx=512, verbose=False)
+    with pytest.raises(ValueError, match="another ott2 configuration"):
+        other.load_state(kivi.save_state())
 
 
 def greedy(llm: Llama, first: int, n: int) -> list[int]:
@@ -215,7 +251,8 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
 
 def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     """llama.cpp's own tools select kivi2 by name and take --ott-params (kivi2 keeps 0 outliers whatever the
-    parameters say); an unknown cache type is refused by name."""
+    parameters say); an unknown cache type, an invalid configuration and mixed ott types are refused with the
+    reason."""
     import subprocess
 
     text = tmp_path / "docs.txt"
@@ -225,7 +262,7 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     out = subprocess.run([*base, "-ctk", "kivi2", "-ctv", "kivi2", "--ott-params", "128,16,5,32,2"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    line = next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
+    line = next(s for s in out.stderr.splitlines() if "kivi2 cache:" in s)
     assert "R=16" in line and "outliers=0" in line
     assert "Final estimate: PPL" in out.stderr
     out = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,16,5,32,2"],
@@ -234,15 +271,19 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     assert "outliers=5" in next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
     bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "ott3" in bad.stderr
-    # llama-bench: kivi2 by name too, but not next to ott2 in one run (one type id, one process-wide setting)
+    # a configuration this build cannot run is refused with the reason, before any model is loaded
+    bad = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,100000,3,32,2"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "--ott-params: R=100000 is outside" in bad.stderr
+    # different ott types on K and V are refused, naming the allowed ones
+    mixed = subprocess.run([*base, "-ctk", "ott2", "-ctv", "kivi2"], capture_output=True, text=True, timeout=120)
+    assert mixed.returncode != 0 and "must be the same ott type (one of ott2, kivi2)" in mixed.stderr
+    # llama-bench: kivi2 by name too, a cache type of its own (no process-wide setting)
     bench = [str(_lib.bin_path("llama-bench")), "-m", str(smollm2), "-p", "16", "-n", "0", "-r", "1", "-t", "2"]
     ok = subprocess.run([*bench, "-ctk", "kivi2", "-ctv", "kivi2", "-v"], capture_output=True, text=True,
                         timeout=120)  # fmt: skip
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "outliers=0" in next(s for s in ok.stderr.splitlines() if "ott2 cache:" in s)
-    mixed = subprocess.run([*bench, "-ctk", "ott2,kivi2", "-ctv", "ott2,kivi2"], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
-    assert mixed.returncode != 0 and "separate runs" in mixed.stderr
+    assert "outliers=0" in next(s for s in ok.stderr.splitlines() if "kivi2 cache:" in s)
 
 
 def test_non_finite_keys_are_refused_until_the_sequence_is_cleared(smollm2: Path) -> None:

@@ -1,4 +1,9 @@
-// ott-gguf additions to the llama.cpp C API. Bound from Python with cffi (ott_gguf/native.py).
+// ott-gguf additions to the llama.cpp C API (bound from Python with ctypes in ott_gguf/_lib.py).
+//
+// The ott caches are chosen like any K/V cache type: llama_context_params.type_k/type_v set to one of the ggml
+// type ids that llama_ott_kv_types lists (ott2; kivi2 = the same cache without outlier tokens). Those ids only
+// select the cache: no tensor ever has such a type. Their parameters travel in a llama_ott_config given per
+// context (llama_ott_init_from_model); a context keeps the configuration it was created with.
 #pragma once
 
 #include "llama.h"
@@ -7,23 +12,58 @@
 extern "C" {
 #endif
 
-// "ott-gguf <version>; llama-cpp-python <pin>; ott2 <bits>-bit, <group> per block": present only in the
-// patched build, so a caller can tell that it loaded ott-gguf's libllama and not a stock one.
+// Parameters of an ott cache (spec/ott2-algorithm.md); the code width comes from the K/V type (ott2: 2 bits),
+// the values per V block (Gv) from the build.
+struct llama_ott_config {
+    int32_t G;                 // tokens per sealed group; must equal the build's (128)
+    int32_t R;                 // fp16 recent window: a group is sealed once R newer tokens follow it
+    int32_t outlier_num;       // outlier pool capacity per (sequence, layer, KV head); kivi types use 0
+    int32_t aux_cap;           // aux pool capacity per (sequence, layer, KV head)
+    int32_t no_outlier_layers; // the first N layers have no outlier pool
+};
+
+// The spec's defaults: 128, 32, 3, 32, 2.
+LLAMA_API struct llama_ott_config llama_ott_config_default(void);
+
+// Whether this build's caches accept cfg; when not, reason (if given) receives why, naming the field and the
+// allowed values.
+LLAMA_API bool llama_ott_config_check(const struct llama_ott_config * cfg, char * reason, size_t n);
+
+// llama_init_from_model whose ott caches use cfg (NULL: the defaults). Returns NULL, as llama_init_from_model
+// does, when the context cannot be created (an invalid cfg included; llama.cpp's log says why).
+LLAMA_API struct llama_context * llama_ott_init_from_model(struct llama_model * model,
+                                                           struct llama_context_params params,
+                                                           const struct llama_ott_config * cfg);
+
+// For bindings that create contexts through llama_init_from_model themselves (llama-cpp-python): the
+// configuration of the ott caches created on the calling thread from now on (NULL: back to the defaults).
+// It is copied; other threads are not affected.
+LLAMA_API void llama_ott_set_thread_config(const struct llama_ott_config * cfg);
+
+// The ott cache types as ggml type ids (names: ggml_type_name); writes up to n of them into out (may be NULL)
+// and returns how many there are.
+LLAMA_API int32_t llama_ott_kv_types(enum ggml_type * out, int32_t n);
+
+// "ott-gguf <version>; ott caches: G=.., Gv=.., bits .., kernels <isa>": present only in the patched build, so a
+// caller can tell that it loaded ott-gguf's libllama and not a stock one.
 LLAMA_API const char * llama_ott_build_info(void);
 
-// Parameters of the ott2 caches created from now on in this process (spec/ott2-algorithm.md):
-// G (tokens per group; must equal the build's, 128), R (fp16 recent window), outlier_num (0 = kivi2),
-// aux_cap, no_outlier_layers. Contexts created earlier keep theirs.
-LLAMA_API void llama_ott_set_params(int32_t G, int32_t R, int32_t outlier_num, int32_t aux_cap, int32_t no_outlier_layers);
-// out[5]: the same five values
-LLAMA_API void llama_ott_get_params(int32_t * out);
-// Whether the ott2 cache can serve this model; when not, reason (if given) receives why, naming the architecture.
+// Whether the ott caches can serve this model; when not, reason (if given) receives why, naming the
+// architecture.
 LLAMA_API bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n);
-// What the context's ott2 cache holds, summed over its sequences: out[0] positions held, out[1] positions sealed,
+
+// Bytes allocated by the context's K/V cache, whatever its type (the memory module's own breakdown over devices,
+// summed; a sliding-window model's two caches together); 0 for a context without one.
+LLAMA_API int64_t llama_ott_kv_cache_bytes(const struct llama_context * ctx);
+
+// The configuration of the context's ott cache (kivi types: outlier_num 0); false when it has none.
+LLAMA_API bool llama_ott_context_config(const struct llama_context * ctx, struct llama_ott_config * out);
+
+// What the context's ott cache holds, summed over its sequences: out[0] positions held, out[1] positions sealed,
 // out[2..4] bytes allocated for the quantized groups, the fp16 tail and the pools, out[5] outlier slots in use,
 // out[6] aux slots in use (over layers and heads), out[7] bytes of the f16 window-layer cache of a sliding-window
-// model (0 otherwise), out[8] layers served by ott2. Returns how many values were written (at most n; 0 when the
-// context does not use the ott2 cache).
+// model (0 otherwise), out[8] layers served by the ott cache. Returns how many values were written (at most n;
+// 0 when the context does not use an ott cache).
 LLAMA_API int32_t llama_ott_cache_info(const struct llama_context * ctx, int64_t * out, int32_t n);
 
 #ifdef __cplusplus

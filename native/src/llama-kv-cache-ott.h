@@ -1,46 +1,168 @@
-// The ott2 KV cache (docs/design-ott2-cache.md): sealed groups of 2-bit keys (channel-wise) and values
-// (token-wise), an fp16 ring of the not-yet-sealed tokens, and outlier/aux pools per (sequence, layer, KV head).
-// One sequence per stream; positions of a sequence are consecutive from 0.
+// The ott KV caches (docs/design-ott2-cache.md, docs/architecture.md): sealed groups of 2-bit keys (channel-wise)
+// and values (token-wise), an fp16 ring of the not-yet-sealed tokens, and outlier/aux pools per (sequence, layer,
+// KV head). One sequence per stream; positions of a sequence are consecutive from 0.
+//
+// Where each job lives:
+//   llama-ott.cpp                 the C API, the K/V type table, configuration, model support, create_memory's hook
+//   llama-kv-cache-ott.cpp        allocation, batch planning, the memory context
+//   llama-kv-cache-ott-seq.cpp    sequence operations (seq_rm and its unseal, seq_cp, ...)
+//   llama-kv-cache-ott-state.cpp  state save/load
+//   llama-kv-cache-ott-graph.cpp  graph inputs and the attention hook (the ggml ops of ggml-ott.h)
+//   llama-kv-cache-ott-iswa.cpp   sliding-window models: ott on the full-attention layers, f16 on the window ones
 #pragma once
 
 #include "llama-batch.h"
 #include "llama-graph.h"
 #include "llama-memory.h"
+#include "llama-ott.h"
 
+#include "ggml-ott.h"
+#include "ott2-head.h"
+
+#include <algorithm>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 struct llama_model;
 struct llama_hparams;
 struct llama_cparams;
+class llama_kv_cache;
+class llama_kv_cache_context;
 
-struct llama_ott_params {
-    uint32_t G                 = 128;
-    uint32_t R                 = 32;
-    uint32_t outlier_num       = 3;
-    uint32_t aux_cap           = 32;
-    uint32_t no_outlier_layers = 2;
+// ------------------------------------------------------------------------------ selection and configuration
+
+// one ott K/V cache type: a ggml type id that selects the cache, and what it means
+struct llama_ott_kv_type {
+    ggml_type    type;
+    const char * name;
+    int32_t      bits;     // code width of K and V
+    bool         outliers; // outlier tracing (false: the KIVI baseline of the same width)
 };
 
-// process-wide defaults for new contexts (set from Python through llama_ott_set_params)
-llama_ott_params & llama_ott_default_params();
+// the type's row, or nullptr when `type` is not an ott type
+const llama_ott_kv_type * llama_ott_kv_type_of(ggml_type type);
 
-// true when the requested K/V types select the ott2 (or kivi2) cache
-bool llama_ott_selected(ggml_type type_k, ggml_type type_v);
+// why the ott caches cannot serve this model ("" when they can)
+std::string llama_ott_model_problem(const llama_model & model);
 
-// the cache; throws std::runtime_error with a clear message for unsupported models or parameters
-llama_memory_i * llama_kv_cache_ott_create(const llama_model & model, const llama_hparams & hparams,
-                                           const llama_cparams & cparams, ggml_type type_k, ggml_type type_v);
+// why this build's caches refuse cfg ("" when they accept it)
+std::string llama_ott_config_problem(const llama_ott_config & cfg);
 
-class llama_kv_cache_ott;
+// create_memory's hook: the cache for an ott K/V type (nullptr for other types); throws std::runtime_error with a
+// clear message for unsupported models, types or parameters
+llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
+                                         ggml_type type_v);
 
-// per-ubatch, per-stream plan (host side), also the content of the ubatch meta input tensor
+// ------------------------------------------------------------------------------------------------- state
+
+// pool_meta row of one (stream, KV head): S slots of (pos, score) (outlier pool [0, O), aux pool [O, S)), then the
+// outlier and aux counts and the tracing flag. The ops share this layout (gen/templates/ott_cuda_ops.j2).
+struct ott_meta_row {
+    int32_t * d;
+    int32_t   S;
+
+    static int64_t len(int32_t S) { return 2*(int64_t) S + 3; }
+    ott_slot_meta * slots() const { return (ott_slot_meta *) d; }
+    int32_t & n_pool()  const { return d[2*S]; }
+    int32_t & n_aux()   const { return d[2*S + 1]; }
+    int32_t & tracing() const { return d[2*S + 2]; }
+};
+
+struct ott_layer {
+    int32_t il;
+    ggml_tensor * ring      = nullptr; // F16 [D, H, T, 2*n_stream]: (K, V) of stream s at 2s, 2s+1; slot = pos % T
+    ggml_tensor * sealed_k  = nullptr; // I8  [D*KB, NG, H, n_stream]: group g = D blocks, channel c over G tokens
+    ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
+    ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
+    ggml_tensor * pool_meta = nullptr; // I32 [ott_meta_row::len(S), H, n_stream]
+    ggml_tensor * flags     = nullptr; // I32 [n_stream], one per device (shared by its layers): set by the seal op
+                                       // when a stream's new K/V are not finite
+    ggml_ott_params op;                // the layer's shapes and parameters, as the ops take them
+};
+
+struct ott_stream {
+    int32_t n_pos    = 0; // positions [0, n_pos) held
+    int32_t n_sealed = 0; // groups [0, n_sealed) sealed
+};
+
+// per-ubatch, per-stream plan (host side), also the content of the ubatch plan input tensor
 struct llama_ott_stream_plan {
     int32_t stream;         // stream (= sequence id)
     int32_t n_pos;          // positions held before the ubatch (its first position)
     int32_t n_sealed;       // groups sealed before the ubatch
     int32_t n_sealed_after; // groups sealed after it
+};
+
+// ------------------------------------------------------------------------------------------------- cache
+
+class llama_kv_cache_ott : public llama_memory_i {
+public:
+    // cfg: as given by the caller (a kivi type's cache has no outliers whatever cfg says); filter: the layers this
+    // cache serves (all when empty)
+    llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams, const llama_ott_kv_type & kv_type,
+                       const llama_ott_config & cfg, const layer_filter_cb & filter = nullptr);
+    ~llama_kv_cache_ott() override;
+
+    // llama-kv-cache-ott.cpp: batches
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+    bool get_can_shift() const override { return false; }
+
+    // splits the batch into ubatches with their per-stream plans; false (error logged) when it cannot be served
+    bool plan_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, std::vector<llama_ubatch> & ubatches,
+                    std::vector<std::vector<llama_ott_stream_plan>> & plans) const;
+    void commit(const std::vector<llama_ott_stream_plan> & plan, uint32_t n_tok);
+    void read_flags(); // the seal ops' non-finite marks into `poisoned` (before planning a batch)
+
+    // group g is sealed once n_pos - (g+1)G >= R
+    int32_t sealed_after(int32_t n_sealed, int32_t n_pos) const {
+        const int32_t n = n_pos >= cfg.R ? (n_pos - cfg.R) / cfg.G : 0;
+        return std::max(n_sealed, n);
+    }
+
+    // llama-kv-cache-ott-seq.cpp: sequences
+    void clear(bool data) override;
+    bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id) override;
+    void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) override;
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    // llama-kv-cache-ott-state.cpp: save/load
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    // sizes and counters (C API)
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+    void slots_in_use(int64_t & n_outlier, int64_t & n_aux) const; // over every layer, head and stream
+
+    size_t n_layers() const { return layers.size(); }
+    ott_layer * layer(int32_t il) {
+        return il < (int32_t) layer_ids.size() && layer_ids[il] >= 0 ? &layers[layer_ids[il]] : nullptr;
+    }
+
+    const llama_ott_kv_type & kv_type;
+    const llama_ott_config cfg; // effective: a kivi type's outlier_num is 0
+    const uint32_t n_stream;
+    const uint32_t n_ctx_seq;
+    size_t bytes_quant = 0, bytes_tail = 0, bytes_pool = 0;
+    std::vector<ott_stream> streams;
+
+private:
+    void reset_stream_meta(uint32_t s);
+    void unseal(uint32_t s, llama_pos p0);
+
+    std::vector<ott_layer> layers;
+    std::vector<int32_t> layer_ids;
+    std::vector<ggml_context *> ctxs;         // one per buffer type (the layers' devices)
+    std::vector<ggml_backend_buffer_t> bufs;
+    std::vector<ggml_tensor *> flags;         // one per buffer type: read once per batch, not once per layer
+    std::vector<uint8_t> poisoned;            // per stream: non-finite K/V were computed; refused until reset
 };
 
 class llama_kv_cache_ott_context : public llama_memory_context_i {
@@ -68,6 +190,8 @@ private:
     bool is_full = false;
 };
 
+// ------------------------------------------------------------------------------------------------- graph
+
 // graph input: the ubatch plan as an I32 tensor [4, n_streams_in_ubatch]
 class llm_graph_input_attn_kv_ott : public llm_graph_input_attn_kv {
 public:
@@ -77,22 +201,44 @@ public:
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
 
+    // creates the plan tensor for a ubatch
+    void build(ggml_context * ctx0, const llama_ubatch & ubatch);
+
     ggml_tensor * ub_plan = nullptr; // I32 [4, ns]
     uint32_t n_tokens = 0;           // of the ubatch the graph was built for
     const llama_kv_cache_ott_context * mctx_ott;
 };
 
-// the hooks called from llama-graph.cpp
-std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ctx0, const llama_ubatch & ubatch,
-        const llama_hparams & hparams, const llama_cparams & cparams, const llama_kv_cache_ott_context * mctx);
-
-ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_input_attn_kv_ott * inp,
-        ggml_tensor * q_cur, ggml_tensor * k_cur, ggml_tensor * v_cur, float kq_scale, int il);
-
-// ---- sliding-window models (Gemma 3): the ott2 cache for the full-attention layers next to a stock f16
+// ---- sliding-window models (Gemma 3): the ott cache for the full-attention layers next to a stock f16
 // llama_kv_cache for the window layers, which keeps only the window and gains little from 2 bits.
 
-class llama_kv_cache_context;
+class llama_kv_cache_ott_iswa : public llama_memory_i {
+public:
+    llama_kv_cache_ott_iswa(const llama_model & model, const llama_cparams & cparams,
+                            const llama_ott_kv_type & kv_type, const llama_ott_config & cfg);
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+    bool get_can_shift() const override { return false; }
+
+    void clear(bool data) override;
+    bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id) override;
+    void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) override;
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    std::unique_ptr<llama_kv_cache_ott> kv_ott;
+    std::unique_ptr<llama_kv_cache> kv_swa;
+};
 
 class llama_kv_cache_ott_iswa_context : public llama_memory_context_i {
 public:
@@ -113,8 +259,7 @@ private:
     llama_memory_context_ptr ctx_swa;
 };
 
-// graph input: the window layers' stock inputs (k/v idxs and mask of the f16 cache) plus the ott2 plan; its
-// base-class mctx stays null, which is how build_attn tells it apart
+// graph input: the window layers' stock inputs (k/v idxs and mask of the f16 cache) plus the ott plan
 class llm_graph_input_attn_kv_ott_iswa : public llm_graph_input_attn_kv_iswa {
 public:
     llm_graph_input_attn_kv_ott_iswa(const llama_hparams & hparams, const llama_cparams & cparams,
@@ -123,13 +268,25 @@ public:
     void set_input(const llama_ubatch * ubatch) override;
     bool can_reuse(const llm_graph_params & params) override;
 
-    llm_graph_input_attn_kv_ott ott; // the ott2 part (its plan tensor)
+    llm_graph_input_attn_kv_ott ott; // the ott part (its plan tensor)
     const llama_kv_cache_ott_iswa_context * mctx_oi;
 };
 
+// ------------------------------------------------------------------------ hooks called from llama-graph.cpp
+
+// the input of an ott cache's memory context (nullptr for any other context)
+std::unique_ptr<llm_graph_input_attn_kv> llama_ott_build_input(ggml_context * ctx0, const llama_ubatch & ubatch,
+        const llama_hparams & hparams, const llama_cparams & cparams, const llama_memory_context_i * mctx);
 std::unique_ptr<llm_graph_input_attn_kv_iswa> llama_ott_build_input_iswa(ggml_context * ctx0,
         const llama_ubatch & ubatch, const llama_hparams & hparams, const llama_cparams & cparams,
-        const llama_kv_cache_ott_iswa_context * mctx);
+        const llama_memory_context_i * mctx);
 
-// the window layers' f16 cache context of an ott2 iSWA input (null for any other input)
+// the attention core of layer il when `inp` is an ott input and the layer is served by the ott cache: attends
+// (2-bit codes read directly) and seals, in the ops of ggml-ott.h; returns [D*n_head, n_tokens]. nullptr
+// otherwise: the stock core runs.
+ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_input_i * inp,
+        ggml_tensor * q_cur, ggml_tensor * k_cur, ggml_tensor * v_cur, ggml_tensor * kq_b, ggml_tensor * sinks,
+        ggml_tensor * v_mla, float kq_scale, int il);
+
+// the window layers' f16 cache context of an ott iSWA input (nullptr for any other input)
 const llama_kv_cache_context * llama_ott_iswa_swa_context(const llm_graph_input_attn_kv_iswa * inp);

@@ -1,24 +1,249 @@
-// ott-gguf's entry points inside libllama.
-#include "llama-ott.h"
+// ott-gguf inside libllama: the K/V type table, the per-context configuration, model support, create_memory's
+// hook and the C API of llama-ott.h.
+#include "llama-kv-cache-ott.h"
+#include "llama-kv-cache.h"
 
-#include "ggml.h"
+#include "llama-arch.h"
+#include "llama-context.h"
+#include "llama-cparams.h"
+#include "llama-hparams.h"
+#include "llama-impl.h"
+#include "llama-model.h"
 
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 
 #ifndef OTT_GGUF_VERSION
 #define OTT_GGUF_VERSION "unknown"
 #endif
 
+// ------------------------------------------------------------------------------------------- K/V types
+
+// Each row is a cache type of `-ctk/-ctv` and of llama_context_params.type_k/type_v; the widths the build's
+// kernels implement (OTT2_HEAD_BITS) are the ones listed.
+static const llama_ott_kv_type ott_kv_types[] = {
+    { GGML_TYPE_OTT2,  "ott2",  2, true  },
+    { GGML_TYPE_KIVI2, "kivi2", 2, false },
+};
+
+const llama_ott_kv_type * llama_ott_kv_type_of(ggml_type type) {
+    for (const auto & t : ott_kv_types) {
+        if (t.type == type) {
+            return &t;
+        }
+    }
+    return nullptr;
+}
+
+int32_t llama_ott_kv_types(enum ggml_type * out, int32_t n) {
+    const int32_t count = (int32_t) (sizeof(ott_kv_types) / sizeof(ott_kv_types[0]));
+    for (int32_t i = 0; out && i < count && i < n; ++i) {
+        out[i] = ott_kv_types[i].type;
+    }
+    return count;
+}
+
+// ---------------------------------------------------------------------------------------- configuration
+
+llama_ott_config llama_ott_config_default(void) {
+    return { /*.G =*/ 128, /*.R =*/ 32, /*.outlier_num =*/ 3, /*.aux_cap =*/ 32, /*.no_outlier_layers =*/ 2 };
+}
+
+// Upper bounds keep a typo from allocating gigabytes: the tail holds R + G tokens per (layer, head, sequence),
+// the pools outlier_num + aux_cap; the kernels keep the outlier candidates of a group on the stack (64).
+static const int32_t OTT_MAX_R = 8192, OTT_MAX_OUTLIERS = 64, OTT_MAX_AUX = 4096;
+
+std::string llama_ott_config_problem(const llama_ott_config & c) {
+    if (c.G != OTT2_HEAD_G) {
+        return "G must be " + std::to_string(OTT2_HEAD_G) + " in this build (its kernels are generated for it), got " +
+               std::to_string(c.G);
+    }
+    if (c.R < 0 || c.R > OTT_MAX_R) {
+        return "R=" + std::to_string(c.R) + " is outside [0, " + std::to_string(OTT_MAX_R) + "]";
+    }
+    if (c.outlier_num < 0 || c.outlier_num > OTT_MAX_OUTLIERS) {
+        return "outlier_num=" + std::to_string(c.outlier_num) + " is outside [0, " +
+               std::to_string(OTT_MAX_OUTLIERS) + "]";
+    }
+    if (c.aux_cap < 0 || c.aux_cap > OTT_MAX_AUX) {
+        return "aux_cap=" + std::to_string(c.aux_cap) + " is outside [0, " + std::to_string(OTT_MAX_AUX) + "]";
+    }
+    if (c.no_outlier_layers < 0) {
+        return "no_outlier_layers=" + std::to_string(c.no_outlier_layers) + " is negative";
+    }
+    return "";
+}
+
+bool llama_ott_config_check(const struct llama_ott_config * cfg, char * reason, size_t n) {
+    const std::string why = cfg ? llama_ott_config_problem(*cfg) : "no configuration given";
+    if (reason && n > 0) {
+        snprintf(reason, n, "%s", why.c_str());
+    }
+    return why.empty();
+}
+
+// The configuration reaches create_memory through the stock llama_init_from_model, whose signature has no room
+// for it: it is set on the creating thread for the duration of the call (llama_ott_init_from_model) or by a
+// binding around its own call (llama_ott_set_thread_config), so contexts created concurrently keep their own.
+static thread_local bool             ott_thread_has_cfg = false;
+static thread_local llama_ott_config ott_thread_cfg;
+
+void llama_ott_set_thread_config(const struct llama_ott_config * cfg) {
+    ott_thread_has_cfg = cfg != nullptr;
+    if (cfg) {
+        ott_thread_cfg = *cfg;
+    }
+}
+
+llama_context * llama_ott_init_from_model(llama_model * model, llama_context_params params,
+                                          const struct llama_ott_config * cfg) {
+    const bool had = ott_thread_has_cfg;
+    const llama_ott_config saved = ott_thread_cfg;
+    llama_ott_set_thread_config(cfg);
+    llama_context * ctx = llama_init_from_model(model, params);
+    llama_ott_set_thread_config(had ? &saved : nullptr);
+    return ctx;
+}
+
+// ---------------------------------------------------------------------------------------- model support
+
+std::string llama_ott_model_problem(const llama_model & model) {
+    const llama_hparams & hparams = model.hparams;
+    const std::string arch = llm_arch_name(model.arch);
+    if (llm_arch_is_recurrent(model.arch) || llm_arch_is_hybrid(model.arch)) {
+        return "the " + arch + " architecture keeps a recurrent state; the ott caches support attention-only models";
+    }
+    if (hparams.is_mla()) {
+        return "the " + arch + " architecture uses MLA (compressed latent K/V), which the ott caches do not support";
+    }
+    if (hparams.is_swa_any() && hparams.swa_type != LLAMA_SWA_TYPE_STANDARD) {
+        return "the " + arch + " architecture uses a non-standard sliding window, which the ott caches do not "
+               "support";
+    }
+    if (hparams.attn_soft_cap) {
+        return "the " + arch + " architecture soft-caps attention scores, which the ott attention does not do";
+    }
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        const uint32_t D = hparams.n_embd_head_k(il);
+        if (D != hparams.n_embd_head_v(il) || D % OTT2_HEAD_GV != 0 || D % 16 != 0 || D > 512) {
+            return "head dim " + std::to_string(D) + " of " + arch + " is not supported (K and V dims must be equal, a "
+                   "multiple of " + std::to_string(OTT2_HEAD_GV) + " and at most 512)";
+        }
+    }
+    return "";
+}
+
+llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
+                                         ggml_type type_v) {
+    const llama_ott_kv_type * tk = llama_ott_kv_type_of(type_k);
+    const llama_ott_kv_type * tv = llama_ott_kv_type_of(type_v);
+    if (!tk && !tv) {
+        return nullptr;
+    }
+    if (tk != tv) {
+        std::string names;
+        for (const auto & t : ott_kv_types) {
+            names += std::string(names.empty() ? "" : ", ") + t.name;
+        }
+        throw std::runtime_error(std::string("ott: the K and V cache types must be the same ott type (one of ") +
+                                 names + "), got K " + ggml_type_name(type_k) + " and V " + ggml_type_name(type_v));
+    }
+    const std::string why = llama_ott_model_problem(model);
+    if (!why.empty()) {
+        throw std::runtime_error(std::string(tk->name) + ": " + why);
+    }
+    const llama_ott_config cfg = ott_thread_has_cfg ? ott_thread_cfg : llama_ott_config_default();
+    const std::string bad = llama_ott_config_problem(cfg);
+    if (!bad.empty()) {
+        throw std::runtime_error(std::string(tk->name) + ": " + bad);
+    }
+    const llama_hparams & hparams = model.hparams;
+    if (cparams.kv_unified && cparams.n_seq_max > 1) {
+        if (hparams.is_swa_any()) {
+            throw std::runtime_error(std::string(tk->name) + ": several sequences of a sliding-window model need "
+                                     "separate K/V streams: turn the unified KV cache off (llama-server "
+                                     "--no-kv-unified, kv_unified=false)");
+        }
+        LLAMA_LOG_INFO("%s: %s keeps one stream per sequence: the unified KV cache is not used\n", __func__, tk->name);
+    }
+    if (hparams.is_swa_any()) {
+        return new llama_kv_cache_ott_iswa(model, cparams, *tk, cfg);
+    }
+    return new llama_kv_cache_ott(model, cparams, *tk, cfg);
+}
+
+// ------------------------------------------------------------------------------------------------ C API
+
 const char * llama_ott_build_info(void) {
     static const std::string info = [] {
-        const int64_t blck  = ggml_blck_size(GGML_TYPE_OTT2);
-        const size_t  bytes = ggml_type_size(GGML_TYPE_OTT2);
-        const int     bits  = (int) ((bytes - 4) * 8 / (size_t) blck); // 4 bytes: fp16 scale and min
         char buf[256];
-        snprintf(buf, sizeof(buf), "ott-gguf %s; ggml type %s: %d-bit, %lld values per %zu-byte block",
-                 OTT_GGUF_VERSION, ggml_type_name(GGML_TYPE_OTT2), bits, (long long) blck, bytes);
+        snprintf(buf, sizeof(buf), "ott-gguf %s; ott caches: %d-bit codes, G=%d, Gv=%d; kernels %s", OTT_GGUF_VERSION,
+                 OTT2_HEAD_BITS, OTT2_HEAD_G, OTT2_HEAD_GV, ott2_head_isa());
         return std::string(buf);
     }();
     return info.c_str();
+}
+
+bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n) {
+    const std::string why = llama_ott_model_problem(*model);
+    if (reason && n > 0) {
+        snprintf(reason, n, "%s", why.c_str());
+    }
+    return why.empty();
+}
+
+// the context's ott cache (the ott part of a sliding-window composite), or nullptr
+static llama_kv_cache_ott * ott_cache_of(const llama_context * lctx, int64_t * window_bytes) {
+    llama_memory_i * mem = llama_get_memory(lctx);
+    if (auto * oi = dynamic_cast<llama_kv_cache_ott_iswa *>(mem)) {
+        if (window_bytes) {
+            for (const auto & [buft, size] : oi->kv_swa->memory_breakdown()) {
+                *window_bytes += (int64_t) size;
+            }
+        }
+        return oi->kv_ott.get();
+    }
+    return dynamic_cast<llama_kv_cache_ott *>(mem);
+}
+
+int64_t llama_ott_kv_cache_bytes(const struct llama_context * lctx) {
+    const llama_memory_i * mem = llama_get_memory(lctx);
+    int64_t total = 0;
+    if (mem) {
+        for (const auto & [buft, size] : mem->memory_breakdown()) {
+            total += (int64_t) size;
+        }
+    }
+    return total;
+}
+
+bool llama_ott_context_config(const struct llama_context * lctx, struct llama_ott_config * out) {
+    const llama_kv_cache_ott * kv = ott_cache_of(lctx, nullptr);
+    if (kv && out) {
+        *out = kv->cfg;
+    }
+    return kv != nullptr;
+}
+
+int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, int32_t n) {
+    int64_t vals[9] = { 0 };
+    const llama_kv_cache_ott * kv = ott_cache_of(lctx, &vals[7]);
+    if (!kv) {
+        return 0;
+    }
+    for (const auto & st : kv->streams) {
+        vals[0] += st.n_pos;
+        vals[1] += (int64_t) st.n_sealed*kv->cfg.G;
+    }
+    vals[2] = (int64_t) kv->bytes_quant;
+    vals[3] = (int64_t) kv->bytes_tail;
+    vals[4] = (int64_t) kv->bytes_pool;
+    kv->slots_in_use(vals[5], vals[6]);
+    vals[8] = (int64_t) kv->n_layers();
+    const int32_t m = std::min<int32_t>(n, 9);
+    for (int32_t i = 0; i < m; ++i) {
+        out[i] = vals[i];
+    }
+    return m;
 }
