@@ -8,8 +8,9 @@ Targets:
   ggml     the `ott2` ggml type: block struct (ott2-common.inc), reference code for ggml-base
            (ott2-quants.{h,c}), ISA-dispatched code for ggml-cpu (ott2-cpu.{h,c}) and the CUDA
            converters (ott2-convert.cuh).
-  kernels  a stand-alone kernel library for tests: every (bits, group) config for every ISA of the
-           architecture, each ISA in its own file so it is compiled with its own flags, plus a table.
+  kernels  a stand-alone kernel library for the tests only (never installed): every (bits, group) config for
+           every ISA of the architecture, each ISA in its own file so it is compiled with its own flags, plus a
+           table.
   cuda     for checks without a GPU: a CUDA translation unit with every block config's device functions
            (ott-cuda-check.cu), and the cache's CUDA ops (ott_cuda_ops.j2) per head config rendered twice:
            as CUDA (ott2-cuda-<tag>.cu, for nvcc and a GPU test) and as C++ that runs the same kernel bodies

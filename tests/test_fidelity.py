@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from native_kernels import ggml_quantize_rows
 
 from ott_gguf import fidelity as F
 from ott_gguf import reference as ref
-from ott_gguf.native import ggml_quantize_rows
 
 GGML_TYPE_Q4_0 = 2
 GGML_TYPE_Q8_0 = 8
