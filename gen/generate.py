@@ -196,7 +196,7 @@ def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
         "ott2-convert.cuh": render(e, "ggml_cuda.cuh.j2", p, **common),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=[hc], modes=["cuda", "emu"], alias=hc),
         "ott2-cuda-ops.cu": render(e, "ott_cuda_ops.j2", ph + ", mode=cuda", hc=hc, mode="cuda"),
-        # the same kernels emulated on the CPU, for ggml-cpu's OTT_GGUF_EMULATE_CUDA=1 (tests)
+        # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
         "ott2-emu-ops.cpp": render(e, "ott_cuda_ops.j2", ph + ", mode=emu", hc=hc, mode="emu"),
     }
 

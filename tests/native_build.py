@@ -3,6 +3,7 @@ default nor installed (CMakeLists.txt, section 5). The first request builds them
 --target ott_test_libs`, seconds once the project is built); `python tests/native_build.py` does the same.
 
   ott_kernels   the generated kernels, every config for every ISA of this machine (native_kernels.py, cffi)
+  ott_cuda_emu  the CUDA kernels' emulation as ggml-cpu's ott2 ops: LD_PRELOAD it into a tool (test_cuda_emu.py)
 """
 
 from __future__ import annotations
