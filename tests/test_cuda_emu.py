@@ -197,3 +197,16 @@ def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.Fi
     assert abs(emu[0] - cpu[0]) <= 0.25 * cpu[0] + 0.003
     assert abs(emu[1] - cpu[1]) <= 0.04
 
+
+def test_the_package_ships_no_test_code() -> None:
+    """The test libraries (the emulation, the kernel library) are built for the tests only: the installed package
+    holds neither, and no installed library reads the environment to switch to the emulation."""
+    from ott_gguf._lib import LIB_DIR, lib_path
+
+    names = sorted(p.name for p in LIB_DIR.iterdir())
+    assert not [n for n in names if "ott_kernels" in n or "cuda_emu" in n], names
+    for lib in ("ggml-cpu", "ggml-base", "llama"):
+        data = lib_path(lib).read_bytes()
+        assert b"OTT_GGUF_EMULATE" not in data and b"ott2_emu" not in data, lib
+    syms = subprocess.run(["nm", "-D", str(lib_path("ggml-cpu"))], capture_output=True, text=True, check=True).stdout
+    assert "ggml_ott_cpu_set_impl" in syms  # the hook the test library registers through
