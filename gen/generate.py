@@ -6,10 +6,11 @@ content changes (FlashInfer's write_if_different), so the build recompiles only 
 
 Targets:
   ggml     what the ott caches run in the build: the per-head kernels of libllama (ott2-head.{h,c}) and the
-           cache's ops as CUDA (ott2-cuda-ops.cu) and as their CPU emulation (ott2-emu-ops.cpp), with their
-           header ott2-cuda.h.
-  kernels  a stand-alone kernel library for tests: every (bits, group) config for every ISA of the
-           architecture, each ISA in its own file so it is compiled with its own flags, plus a table.
+           cache's ops as CUDA (ott2-cuda-ops.cu) and as their CPU emulation for the tests (ott2-emu-ops.cpp),
+           with their header ott2-cuda.h.
+  kernels  a stand-alone kernel library for the tests only (never installed): every (bits, group) config for
+           every ISA of the architecture, each ISA in its own file so it is compiled with its own flags, plus a
+           table.
   cuda     for checks without a GPU: a CUDA translation unit with every block config's device functions
            (ott-cuda-check.cu), and the cache's CUDA ops (ott_cuda_ops.j2) per head config rendered twice:
            as CUDA (ott2-cuda-<tag>.cu, for nvcc and a GPU test) and as C++ that runs the same kernel bodies
@@ -187,7 +188,7 @@ def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
         "ott2-head.c": render(e, "llama_head.c.j2", ph, hc=hc),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=[hc], modes=["cuda", "emu"], alias=hc),
         "ott2-cuda-ops.cu": render(e, "ott_cuda_ops.j2", ph + ", mode=cuda", hc=hc, mode="cuda"),
-        # the same kernels emulated on the CPU, for ggml-cpu's OTT_GGUF_EMULATE_CUDA=1 (tests)
+        # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
         "ott2-emu-ops.cpp": render(e, "ott_cuda_ops.j2", ph + ", mode=emu", hc=hc, mode="emu"),
     }
 

@@ -71,7 +71,7 @@ class OpsLib:
 
 def build_emu(src: Path, tags: list[str], out: Path) -> Path:
     """The emulation as a shared library: the CUDA kernels' bodies compiled as C++ for this CPU."""
-    lib = out / "libott_cuda_emu.so"
+    lib = out / "libott_cuda_emu_ops.so"
     srcs = [str(src / f"ott2-emu-{t}.cpp") for t in tags]
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the CUDA emulation"

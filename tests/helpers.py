@@ -14,11 +14,11 @@ from typing import Protocol
 
 import numpy as np
 import pytest
+from native_kernels import PoolArrays, SealResult
 
 from ott_gguf import quantizer as Q
 from ott_gguf import reference as ref
 from ott_gguf.evaluate import eval_logits, kl_divergence  # noqa: F401 (the K/V quality tests import them from here)
-from ott_gguf.native import PoolArrays, SealResult
 from ott_gguf.server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda_ops import LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_tag
+from native_build import built_lib
 
 from ott_gguf import reference as ref
 
@@ -149,9 +150,9 @@ def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
     run_scenario(lib, case)
 
 
-def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float]:
-    """Mean KLD against the saved base logits and same-top-1 rate, from llama-perplexity (-ngl 0: the CPU ops,
-    also in a CUDA build)."""
+def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float, str]:
+    """Mean KLD against the saved base logits, same-top-1 rate and the output, from llama-perplexity (-ngl 0: the
+    CPU ops, also in a CUDA build)."""
     from ott_gguf._lib import bin_path
 
     cmd = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "512", "--chunks", "2",
@@ -160,20 +161,21 @@ def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, 
     if kv == "f16":
         res = subprocess.run([*cmd, "-fa", "0"], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
-        return 0.0, 1.0
+        return 0.0, 1.0, res.stdout + res.stderr
     res = subprocess.run([*cmd, "--kl-divergence"], env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout + res.stderr
     kld = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out)
     top = re.search(r"Same top p:\s+([0-9.]+)", out)
     assert kld and top, out[-2000:]
-    return float(kld.group(1)), float(top.group(1)) / 100
+    return float(kld.group(1)), float(top.group(1)) / 100, out
 
 
 @pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
 def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """The whole CUDA path's logic in the real graph: OTT_GGUF_EMULATE_CUDA=1 makes ggml-cpu run the CUDA
-    kernels' emulation with the arguments the CUDA dispatch builds (ggml-ott-args.h) and the GPU's slicing, on
+    """The whole CUDA path's logic in the real graph: the test library ott_cuda_emu, preloaded into
+    llama-perplexity, makes ggml-cpu run the CUDA kernels' emulation (its ott2 ops hook, ggml_ott_cpu_set_impl)
+    with the arguments the CUDA dispatch builds (ggml-ott-args.h) and the GPU's slicing, on
     real text through SmolLM2 (D 64, GQA) and Gemma 3 (D 256, ott2 beside the f16 window layers). Logits cannot
     be equal (fp32 summation order differs, and this model amplifies one-ulp differences through fp16 and 2-bit
     rounding), so the check is quality parity with the CPU path against f16 (a wrong row, slot or cover would
@@ -184,10 +186,27 @@ def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.Fi
     text = tmp_path / "docs.txt"
     text.write_text(docs_text(60_000))
     base = tmp_path / "f16.kld"
-    env = {k: v for k, v in os.environ.items() if k != "OTT_GGUF_EMULATE_CUDA"}
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     perplexity_kld(model, text, base, "f16", env)
     cpu = perplexity_kld(model, text, base, "ott2", env)
-    emu = perplexity_kld(model, text, base, "ott2", {**env, "OTT_GGUF_EMULATE_CUDA": "1"})
+    emu = perplexity_kld(model, text, base, "ott2", {**env, "LD_PRELOAD": str(built_lib("ott_cuda_emu"))})
+    # the emulation ran the graph's ott2 ops (the library counts them and says so on unload)
+    ran = re.search(r"ott-cuda-emu: (\d+) emulated ott2 ops", emu[2])
+    assert "ott-cuda-emu: ggml-cpu runs" in emu[2] and ran and int(ran.group(1)) > 0, emu[2][-2000:]
     print(f"{model_name}: KLD vs f16: cpu {cpu[0]:.4f} (top-1 {cpu[1]:.3f}), emulated cuda {emu[0]:.4f} ({emu[1]:.3f})")
     assert abs(emu[0] - cpu[0]) <= 0.25 * cpu[0] + 0.003
     assert abs(emu[1] - cpu[1]) <= 0.04
+
+
+def test_the_package_ships_no_test_code() -> None:
+    """The test libraries (the emulation, the kernel library) are built for the tests only: the installed package
+    holds neither, and no installed library reads the environment to switch to the emulation."""
+    from ott_gguf._lib import LIB_DIR, lib_path
+
+    names = sorted(p.name for p in LIB_DIR.iterdir())
+    assert not [n for n in names if "ott_kernels" in n or "cuda_emu" in n], names
+    for lib in ("ggml-cpu", "ggml-base", "llama"):
+        data = lib_path(lib).read_bytes()
+        assert b"OTT_GGUF_EMULATE" not in data and b"ott2_emu" not in data, lib
+    syms = subprocess.run(["nm", "-D", str(lib_path("ggml-cpu"))], capture_output=True, text=True, check=True).stdout
+    assert "ggml_ott_cpu_set_impl" in syms  # the hook the test library registers through

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from native_kernels import ggml_quantize_rows
 
 from ott_gguf import reference as ref
-from ott_gguf.native import ggml_quantize_rows
 from study import fidelity as F
 
 GGML_TYPE_Q4_0 = 2

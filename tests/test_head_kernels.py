@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from native_kernels import HeadKernelSet, kernels
 
 from ott_gguf import reference as ref
-from ott_gguf.native import HeadKernelSet, kernels
 
 from helpers import check_attention, keys_values, lockstep
 

@@ -1,6 +1,5 @@
 """Generated quantize/dequantize/vec_dot kernels vs the numpy quantizer of the spec, for every ISA this
-machine runs (x86: scalar, AVX2, AVX-512) and every generated config (2-, 3- and 4-bit), plus the ott2
-ggml type as the patched ggml runs it."""
+machine runs (x86: scalar, AVX2, AVX-512) and every generated config (2-, 3- and 4-bit)."""
 
 from __future__ import annotations
 
@@ -9,16 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from native_kernels import kernels
 
-from ott_gguf import build_info
 from ott_gguf import quantizer as Q
-from ott_gguf.native import ggml_ott2, kernels
 
 from helpers import make_inputs
 
 K = kernels()
 CASES = [(b, g, isa) for (b, g) in K.configs for isa in K.isas]
-GGML_TYPE_Q8_1 = 9
 
 
 def kset(bits: int, group: int, isa: str):
@@ -123,32 +120,3 @@ def test_machine_runs_the_simd_isas() -> None:
     if platform.machine() == "x86_64":
         assert K.isas == ["avx2", "avx512", "scalar"]
         assert K.cpu_supports("avx2") and K.cpu_supports("avx512")
-
-
-# --- the ott2 ggml type inside the patched ggml -----------------------------------------------------
-
-
-def test_ggml_type_traits_describe_ott2() -> None:
-    g = ggml_ott2()
-    group = int(build_info()["ott2_group"])
-    assert g.name == "ott2"
-    assert g.group == group
-    assert g.block_bytes == Q.BlockFormat(2, group).block_bytes
-    assert g.vec_dot_type == GGML_TYPE_Q8_1
-
-
-def test_ggml_ott2_matches_numpy() -> None:
-    g = ggml_ott2()
-    fmt = Q.BlockFormat(2, g.group)
-    x = make_inputs(np.random.default_rng(99), g.group, nblocks=96)
-    want = Q.pack(Q.quantize(x, fmt), fmt)
-    np.testing.assert_array_equal(g.quantize_ref(x), want)
-    np.testing.assert_array_equal(g.quantize_cpu(x), want)
-    np.testing.assert_array_equal(g.quantize_chunk(x, n_per_row=4 * g.group), want)
-    recon = Q.dequantize(Q.unpack(want, fmt)).reshape(-1)
-    np.testing.assert_array_equal(g.dequantize(want).view(np.uint32), recon.view(np.uint32))
-    rng = np.random.default_rng(5)
-    y = rng.standard_normal(x.size).astype(np.float32)
-    q8 = Q.quantize_q8_1(y)
-    want_dot, mag = Q.vec_dot_q8_1(want, q8, fmt)
-    assert abs(g.vec_dot(want, q8) - want_dot) <= 1e-5 * mag

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from native_kernels import PoolArrays, SealResult
 
 from ott_gguf import quantizer as Q
 from ott_gguf import reference as ref
-from ott_gguf.native import PoolArrays, SealResult
 
 from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
 

@@ -373,7 +373,7 @@ def test_decode_reuses_graphs_with_the_same_tokens(smollm2: Path, doc_tokens: li
 
 def test_kv_cache_info_reports_bytes_by_part_and_pool_slots(smollm2: Path, doc_tokens: list[int]) -> None:
     """Bytes by part as allocated (the quantized part checked against the block layout) and pool slots in use."""
-    from ott_gguf.native import kernels
+    from native_kernels import kernels
 
     llm = Llama(str(smollm2), kv_type="ott2", n_ctx=8192, verbose=False)
     llm.eval(doc_tokens[:600])

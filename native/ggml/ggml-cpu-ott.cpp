@@ -3,12 +3,11 @@
 #include "ggml-cpu-ott.h"
 #include "ggml-ott.h"
 #include "ggml-cpu-impl.h"
-#include "ggml-ott-args.h"
 #include "ott2-head.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -240,53 +239,26 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     }
 }
 
-// OTT_GGUF_EMULATE_CUDA=1: run the CUDA kernels' emulation (the same template rendered as C++, ott2-emu-ops.cpp)
-// instead of the CPU kernels, with the CUDA dispatch's arguments: the model-level tests then exercise the
-// CUDA path's logic end to end without a GPU. Single-threaded and slow; for tests only.
-bool ott_emulate_cuda() {
-    static const bool on = [] {
-        const char * e = getenv("OTT_GGUF_EMULATE_CUDA");
-        return e != nullptr && e[0] == '1';
-    }();
-    return on;
-}
-
 } // namespace
 
+// the ops' code: the CPU kernels above, or what a test registered (ggml-cpu-ott.h)
+static std::atomic<const ggml_ott_cpu_impl *> ott_impl{nullptr};
+
+void ggml_ott_cpu_set_impl(const struct ggml_ott_cpu_impl * impl) {
+    ott_impl.store(impl);
+}
+
 void ggml_compute_forward_ott_attn_part(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    if (ott_emulate_cuda()) {
-        if (params->ith == 0) {
-            ott_cu_args a = ggml_ott_cu_args(dst);
-            a.part = (float *) dst->data;
-            ott2_emu_attn_part(&a, nullptr);
-        }
-        return;
-    }
-    ott_attn_part(dst, params->ith, params->nth);
+    const ggml_ott_cpu_impl * impl = ott_impl.load(std::memory_order_acquire);
+    (impl ? impl->attn_part : ott_attn_part)(dst, params->ith, params->nth);
 }
 
 void ggml_compute_forward_ott_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    if (ott_emulate_cuda()) {
-        if (params->ith == 0) {
-            ott_cu_args a = ggml_ott_cu_args(dst->src[0]);
-            a.part = (float *) dst->src[0]->data;
-            a.out = (float *) dst->data;
-            ott2_emu_attn_merge(&a, nullptr);
-        }
-        return;
-    }
-    ott_attn_merge(dst, params->ith, params->nth);
+    const ggml_ott_cpu_impl * impl = ott_impl.load(std::memory_order_acquire);
+    (impl ? impl->attn : ott_attn_merge)(dst, params->ith, params->nth);
 }
 
 void ggml_compute_forward_ott_seal(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    if (ott_emulate_cuda()) {
-        if (params->ith == 0) {
-            ott_cu_args a = ggml_ott_cu_args(dst);
-            std::vector<uint16_t> scratch((size_t) 2*OTT2_CU_G*a.D*a.ns*a.H);
-            a.scratch = scratch.data();
-            ott2_emu_seal(&a, nullptr);
-        }
-        return;
-    }
-    ott_seal(dst, params->ith, params->nth);
+    const ggml_ott_cpu_impl * impl = ott_impl.load(std::memory_order_acquire);
+    (impl ? impl->seal : ott_seal)(dst, params->ith, params->nth);
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "ggml-backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -33,6 +34,15 @@ GGML_API struct ggml_tensor * ggml_ott_seal(struct ggml_context * ctx, struct gg
         struct ggml_tensor * k, struct ggml_tensor * v, struct ggml_tensor * ring, struct ggml_tensor * sealed_k,
         struct ggml_tensor * sealed_v, struct ggml_tensor * pool_kv, struct ggml_tensor * pool_meta,
         struct ggml_tensor * plan, struct ggml_tensor * flags, const struct ggml_ott_params * p);
+
+// slices of the sealed groups per (stream, KV head) that the attention op splits them into (its NS), for the
+// state in `state_buf`, n_tok tokens per stream and NG groups. CPU: decode splits them 8 ways (flash-decoding),
+// prefill splits over tokens instead. GPU: enough slices to fill the device (a thread block per slice), up to 2
+// groups per slice when decoding
+GGML_API int32_t ggml_ott_attn_slices(ggml_backend_buffer_t state_buf, int64_t n_tok, int32_t NG);
+// for tests: state in host memory sliced as on a GPU (ggml-cpu running the CUDA kernels' emulation, which
+// registers itself with ggml_ott_cpu_set_impl and sets this)
+GGML_API void ggml_ott_set_host_gpu_slicing(bool on);
 
 #ifdef __cplusplus
 }

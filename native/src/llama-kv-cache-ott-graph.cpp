@@ -7,7 +7,6 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 // ------------------------------------------------------------------------------------------- graph input
 
@@ -96,15 +95,7 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
     const int64_t n_tok = q->ne[2] / inp->ub_plan->ne[1];
     ggml_ott_params op = L->op;
     op.scale = kq_scale;
-    // slices of the sealed groups per (stream, KV head). CPU: decode splits them 8 ways (flash-decoding), prefill
-    // splits over tokens instead. GPU: enough slices to fill the device (a thread block per slice), up to 2 groups
-    // per slice when decoding
-    static const bool emulate_cuda = getenv("OTT_GGUF_EMULATE_CUDA") && getenv("OTT_GGUF_EMULATE_CUDA")[0] == '1';
-    if (ggml_backend_buffer_is_host(L->ring->buffer) && !emulate_cuda) { // (the emulation slices as the GPU does)
-        op.NS = n_tok <= 4 ? 8 : 1;
-    } else {
-        op.NS = n_tok <= 4 ? std::clamp(op.NG/2, 8, 128) : std::clamp(op.NG/16, 1, 16);
-    }
+    op.NS = ggml_ott_attn_slices(L->ring->buffer, n_tok, op.NG); // slices of the sealed groups (ggml-ott.h)
     ggml_tensor * part = ggml_ott_attn_part(ctx0, q, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta,
                                             inp->ub_plan, &op);
     ggml_format_name(part, "ott_attn_part-%d", il);

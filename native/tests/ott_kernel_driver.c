@@ -126,7 +126,7 @@ static int head_attn(const ott_head_kernel * k, const unsigned char * in, size_t
 // IN:  int32 {D, n_rows, n_sealed, n_pooled, n_tail, tail_pos0}, f32 scale, f32 q[n_rows*D], i32 q_pos[n_rows],
 //      kq, vq, pooled and tail as for head_attn
 // OUT: f32 out[n_rows*D]: the multi-row kernels driven group by group, then tail tile by tail tile (as
-//      ott_gguf.native.HeadKernelSet.attn_rows drives them)
+//      tests/native_kernels.py HeadKernelSet.attn_rows drives them)
 static int head_rows(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
     reader r = { in, in + n_in };
     int32_t h[6];

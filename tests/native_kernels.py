@@ -1,10 +1,10 @@
-"""cffi bindings for what llama-cpp-python does not bind: the generated ott kernels.
+"""cffi bindings of the tests: the generated ott kernels and ggml's quantizers.
 
-Two views of the same generated code:
-  * `Kernels`: the stand-alone kernel library (libott_kernels), every (bits, group) config for every ISA
-    of this architecture, so tests can check each ISA against the numpy quantizer;
-  * `GgmlOtt2`: the ott2 ggml type inside the patched libggml-base/libggml-cpu, reached through ggml's
-    own type-traits tables and ggml_quantize_chunk, i.e. the code llama.cpp actually runs.
+* `Kernels`: the test-only kernel library (libott_kernels, built by native_build.py, never installed), every
+  (bits, group) config for every ISA of this architecture, so tests can check each ISA against the numpy
+  quantizer;
+* `ggml_quantize_rows`: a stock ggml type through the installed libggml-base (ggml_quantize_chunk and the
+  type's to_float).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from functools import cache
 
 import numpy as np
 from cffi import FFI
+from native_build import built_lib
 
-from ._lib import GGML_TYPE_OTT2, lib_path
+from ott_gguf._lib import lib_path
 
 _ffi = FFI()
 _ffi.cdef(
@@ -65,8 +66,6 @@ _ffi.cdef(
 
     typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
     typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
-    typedef void (*ggml_vec_dot_t)(int n, float * s, size_t bs, const void * x, size_t bx,
-                                   const void * y, size_t by, int nrc);
     struct ggml_type_traits {
         const char * type_name;
         int64_t blck_size;
@@ -76,17 +75,9 @@ _ffi.cdef(
         ggml_to_float_t to_float;
         ggml_from_float_t from_float_ref;
     };
-    struct ggml_type_traits_cpu {
-        ggml_from_float_t from_float;
-        ggml_vec_dot_t vec_dot;
-        int vec_dot_type;
-        int64_t nrows;
-    };
     const struct ggml_type_traits * ggml_get_type_traits(int type);
-    const struct ggml_type_traits_cpu * ggml_get_type_traits_cpu(int type);
     size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
                                int64_t n_per_row, const float * imatrix);
-    void ggml_cpu_init(void);
     """
 )
 
@@ -314,7 +305,7 @@ class Kernels:
     """The stand-alone generated kernel library."""
 
     def __init__(self) -> None:
-        self._lib = _ffi.dlopen(str(lib_path("ott_kernels")))
+        self._lib = _ffi.dlopen(str(built_lib("ott_kernels")))
         n = _ffi.new("int *")
         table = self._lib.ott_kernels(n)
         self._sets = [
@@ -355,70 +346,9 @@ class Kernels:
         raise KeyError(f"no kernels for bits={bits}, group={group}, isa={isa}")
 
 
-class GgmlOtt2:
-    """The ott2 ggml type as the patched ggml runs it."""
-
-    def __init__(self) -> None:
-        self._base = _ffi.dlopen(str(lib_path("ggml-base")))
-        self._cpu = _ffi.dlopen(str(lib_path("ggml-cpu")))
-        self._cpu.ggml_cpu_init()
-        self.traits = self._base.ggml_get_type_traits(GGML_TYPE_OTT2)
-        self.traits_cpu = self._cpu.ggml_get_type_traits_cpu(GGML_TYPE_OTT2)
-        self.name = _ffi.string(self.traits.type_name).decode()
-        self.group = int(self.traits.blck_size)
-        self.block_bytes = int(self.traits.type_size)
-        self.vec_dot_type = int(self.traits_cpu.vec_dot_type)
-
-    def _blocks_for(self, n: int) -> np.ndarray:
-        if n % self.group:
-            raise ValueError(f"length {n} is not a multiple of the block size {self.group}")
-        return np.zeros((n // self.group, self.block_bytes), dtype=np.uint8)
-
-    def quantize_ref(self, x: np.ndarray) -> np.ndarray:
-        """type_traits[OTT2].from_float_ref (ggml-base)."""
-        x = _f32(x).reshape(-1)
-        out = self._blocks_for(x.size)
-        self.traits.from_float_ref(_ptr(x, "float *"), _ffi.from_buffer(out), x.size)
-        return out
-
-    def quantize_cpu(self, x: np.ndarray) -> np.ndarray:
-        """type_traits_cpu[OTT2].from_float (ggml-cpu, this machine's ISA): what set_rows runs."""
-        x = _f32(x).reshape(-1)
-        out = self._blocks_for(x.size)
-        self.traits_cpu.from_float(_ptr(x, "float *"), _ffi.from_buffer(out), x.size)
-        return out
-
-    def quantize_chunk(self, x: np.ndarray, n_per_row: int) -> np.ndarray:
-        """ggml_quantize_chunk(GGML_TYPE_OTT2, ...) over rows of n_per_row values."""
-        x = _f32(x).reshape(-1, n_per_row)
-        out = self._blocks_for(x.size)
-        written = self._base.ggml_quantize_chunk(
-            GGML_TYPE_OTT2, _ptr(x, "float *"), _ffi.from_buffer(out), 0, x.shape[0], n_per_row, _ffi.NULL
-        )
-        if written != out.nbytes:
-            raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
-        return out
-
-    def dequantize(self, blocks: np.ndarray) -> np.ndarray:
-        """type_traits[OTT2].to_float (ggml-base): what flash attention reads V through."""
-        blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, self.block_bytes)
-        out = np.zeros(blocks.shape[0] * self.group, dtype=np.float32)
-        self.traits.to_float(_ffi.from_buffer(blocks), _ffi.cast("float *", _ffi.from_buffer(out)), out.size)
-        return out
-
-    def vec_dot(self, blocks: np.ndarray, q8: np.ndarray) -> float:
-        """type_traits_cpu[OTT2].vec_dot with its vec_dot_type (q8_1) operand."""
-        blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, self.block_bytes)
-        q8 = np.ascontiguousarray(q8, dtype=np.uint8)
-        s = _ffi.new("float *")
-        n = blocks.shape[0] * self.group
-        self.traits_cpu.vec_dot(n, s, 0, _ffi.from_buffer(blocks), 0, _ffi.from_buffer(q8), 0, 1)
-        return float(s[0])
-
-
 def ggml_quantize_rows(type_id: int, x: np.ndarray, n_per_row: int) -> tuple[np.ndarray, np.ndarray]:
     """Any ggml type through the patched ggml: (blocks from ggml_quantize_chunk as bytes, their to_float)."""
-    base = ggml_ott2()._base
+    base = _ggml_base()
     traits = base.ggml_get_type_traits(type_id)
     x = _f32(x).reshape(-1, n_per_row)
     nbytes = x.size // int(traits.blck_size) * int(traits.type_size)
@@ -438,5 +368,5 @@ def kernels() -> Kernels:
 
 
 @cache
-def ggml_ott2() -> GgmlOtt2:
-    return GgmlOtt2()
+def _ggml_base() -> object:
+    return _ffi.dlopen(str(lib_path("ggml-base")))

@@ -1,0 +1,108 @@
+// ott-gguf tests: the CUDA kernels' emulation (ott2-emu-ops.cpp: gen/templates/ott_cuda_ops.j2 rendered as C++)
+// as ggml-cpu's implementation of the ott2 ops, with the CUDA dispatch's arguments (ggml-ott-args.h) and the
+// GPU's slicing: a model's graph then runs the CUDA path's logic end to end without a GPU. Single-threaded and
+// slow. A test-only library (CMake target ott_cuda_emu, never installed): loading it (LD_PRELOAD into a tool, or
+// dlopen after ggml is loaded) registers it through ggml-cpu's test hook (ggml-cpu-ott.h); unloading it restores
+// the CPU code. It reaches the ggml already loaded in the process by name and links none itself, so a preloaded
+// copy never pulls a second ggml in.
+#include "ggml-cpu-ott.h"
+#include "ggml-ott-args.h"
+
+#include <dlfcn.h>
+#include <link.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::atomic<long> n_calls{0};
+
+void emu_attn_part(ggml_tensor * dst, int ith, int /*nth*/) {
+    if (ith == 0) {
+        ott_cu_args a = ggml_ott_cu_args(dst);
+        a.part = (float *) dst->data;
+        ott2_emu_attn_part(&a, nullptr);
+        n_calls++;
+    }
+}
+
+void emu_attn(ggml_tensor * dst, int ith, int /*nth*/) {
+    if (ith == 0) {
+        ott_cu_args a = ggml_ott_cu_args(dst->src[0]); // shapes only: the merge reads `part`
+        a.part = (float *) dst->src[0]->data;
+        a.out = (float *) dst->data;
+        ott2_emu_attn_merge(&a, nullptr);
+        n_calls++;
+    }
+}
+
+void emu_seal(ggml_tensor * dst, int ith, int /*nth*/) {
+    if (ith == 0) {
+        ott_cu_args a = ggml_ott_cu_args(dst);
+        std::vector<uint16_t> scratch((size_t) 2*OTT2_CU_G*a.D*a.ns*a.H);
+        a.scratch = scratch.data();
+        ott2_emu_seal(&a, nullptr);
+        n_calls++;
+    }
+}
+
+const ggml_ott_cpu_impl emu_impl = { emu_attn_part, emu_attn, emu_seal };
+
+// a function of the ggml loaded in this process: in the global scope (LD_PRELOAD), else in any loaded object
+// (ggml opened with RTLD_LOCAL, e.g. by ctypes)
+void * find(const char * name) {
+    if (void * f = dlsym(RTLD_DEFAULT, name)) {
+        return f;
+    }
+    std::vector<std::string> loaded;
+    dl_iterate_phdr([](dl_phdr_info * info, size_t, void * data) {
+        if (info->dlpi_name && info->dlpi_name[0]) {
+            ((std::vector<std::string> *) data)->push_back(info->dlpi_name);
+        }
+        return 0;
+    }, &loaded);
+    for (const std::string & lib : loaded) {
+        void * h = dlopen(lib.c_str(), RTLD_NOW | RTLD_NOLOAD);
+        void * f = h ? dlsym(h, name) : nullptr;
+        if (h) {
+            dlclose(h);
+        }
+        if (f) {
+            return f;
+        }
+    }
+    return nullptr;
+}
+
+using set_impl_fn = void (*)(const ggml_ott_cpu_impl *);
+using set_slicing_fn = void (*)(bool);
+
+void install(bool on) {
+    const auto set_impl = (set_impl_fn) find("ggml_ott_cpu_set_impl");
+    const auto set_slicing = (set_slicing_fn) find("ggml_ott_set_host_gpu_slicing");
+    if (!set_impl || !set_slicing) {
+        if (!on) {
+            return; // the process already unloaded ggml
+        }
+        fprintf(stderr, "ott-cuda-emu: no patched libggml-cpu/libggml-base loaded in this process\n");
+        abort();
+    }
+    set_impl(on ? &emu_impl : nullptr);
+    set_slicing(on);
+}
+
+} // namespace
+
+__attribute__((constructor)) static void ott_cuda_emu_load() {
+    install(true);
+    fprintf(stderr, "ott-cuda-emu: ggml-cpu runs the CUDA kernels' emulation\n");
+}
+
+__attribute__((destructor)) static void ott_cuda_emu_unload() {
+    install(false);
+    fprintf(stderr, "ott-cuda-emu: %ld emulated ott2 ops\n", n_calls.load());
+}
