@@ -22,6 +22,7 @@ KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswit
 
 MeanMode = Literal["non_outlier", "all"]
 _BITS = (2, 3, 4)
+ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,13 @@ class OttConfig:
     """Parameters of the ott caches (spec/ott2-algorithm.md).
 
     The native cache takes G, R, outlier_num, aux_cap and no_outlier_layers (C struct `llama_ott_config`); its
-    code width comes from the K/V type (ott2: 2 bits) and Gv from the build. bits, Gv, mean and identity are
-    variants of the numpy reference: mean "non_outlier" (the spec's decision) or "all" (the paper's wording) for
-    the placeholder value; identity switches quantization off (x_hat = x), so that the output must equal dense
-    attention. outlier_num = 0 is the KIVI baseline ("kivi2").
+    code width comes from the K/V type (ott2: 2 bits) and Gv from the build. The other fields are variants of the
+    numpy reference (and of the fidelity study): bits, or k_bits/v_bits per side (None: bits); k_rotate/v_rotate:
+    an orthonormal Hadamard transform over blocks of ROT_BLOCK channels before quantizing that side (scores for
+    outlier tracing stay on the unrotated keys; pooled and tail tokens are stored unrotated); mean "non_outlier"
+    (the spec's decision) or "all" (the paper's wording) for the placeholder value; identity switches
+    quantization off (x_hat = x), so that the output must equal dense attention. outlier_num = 0 is the KIVI
+    baseline ("kivi2").
     """
 
     G: int = 128
@@ -44,16 +48,25 @@ class OttConfig:
     Gv: int = 64
     mean: MeanMode = "non_outlier"
     identity: bool = False
+    k_bits: int | None = None
+    v_bits: int | None = None
+    k_rotate: bool = False
+    v_rotate: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mean", "identity"):
+            if f.name in ("mean", "identity", "k_rotate", "v_rotate") or (f.name.endswith("_bits") and value is None):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ott_config.{f.name} must be a non-negative integer, got {value!r}")
-        if self.bits not in _BITS:
-            raise ValueError(f"ott_config.bits must be one of {_BITS}, got {self.bits}")
+        for name in ("bits", "k_bits", "v_bits"):
+            value = getattr(self, name)
+            if value is not None and value not in _BITS:
+                raise ValueError(f"ott_config.{name} must be one of {_BITS}, got {value}")
+        for name in ("identity", "k_rotate", "v_rotate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ott_config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("G", "Gv"):
             group = getattr(self, name)
             if group == 0 or group % 32 != 0 or group > 256:
@@ -63,8 +76,16 @@ class OttConfig:
             raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")
         if self.mean not in ("non_outlier", "all"):
             raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
-        if not isinstance(self.identity, bool):
-            raise ValueError(f"ott_config.identity must be a bool, got {self.identity!r}")
+
+    @property
+    def kbits(self) -> int:
+        """Code width of the keys."""
+        return self.bits if self.k_bits is None else self.k_bits
+
+    @property
+    def vbits(self) -> int:
+        """Code width of the values."""
+        return self.bits if self.v_bits is None else self.v_bits
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
     NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers")
@@ -108,13 +129,13 @@ class OttConfig:
     def k_format(self) -> Any:  # quantizer.BlockFormat (imported lazily: this module stays dependency-free)
         from .quantizer import BlockFormat
 
-        return BlockFormat(self.bits, self.G)
+        return BlockFormat(self.kbits, self.G)
 
     @property
     def v_format(self) -> Any:
         from .quantizer import BlockFormat
 
-        return BlockFormat(self.bits, self.Gv)
+        return BlockFormat(self.vbits, self.Gv)
 
 
 def resolve_kv_type(kv_type: object) -> str:

@@ -89,7 +89,7 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
     def _check_ott_config(name: str, cfg: OttConfig) -> None:
         """What the native cache cannot take, with the build's own reason."""
         default = OttConfig()
-        for field in ("bits", "mean", "identity"):
+        for field in ("bits", "k_bits", "v_bits", "k_rotate", "v_rotate", "mean", "identity"):
             if getattr(cfg, field) != getattr(default, field):
                 raise ValueError(
                     f"ott_config.{field}={getattr(cfg, field)!r} is a variant of the numpy reference only; the "

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_types import OttConfig
+from .kv_types import ROT_BLOCK, OttConfig
 from .quantizer import Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
@@ -178,28 +178,60 @@ def group_mean(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (sel.sum(axis=0) / sel.shape[0]).astype(np.float16)
 
 
+def hadamard_rotate(x: np.ndarray) -> np.ndarray:
+    """The orthonormal Hadamard transform of every block of ROT_BLOCK channels of x (..., D), in fp32.
+
+    Computed as the fast Walsh-Hadamard butterflies (stage h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) for the
+    pairs h apart), each stage rounded to fp32, then scaled by 1/sqrt(ROT_BLOCK) = 1/8 (exact): a fixed order of
+    operations that a kernel can follow bit for bit. The transform is its own inverse (H = H^T, H H = I); in fp32
+    x -> rotate(rotate(x)) is exact up to rounding.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    D = x.shape[-1]
+    if D % ROT_BLOCK:
+        raise ValueError(f"rotation needs the head dim to be a multiple of {ROT_BLOCK}, got {D}")
+    y = x.reshape(*x.shape[:-1], D // ROT_BLOCK, ROT_BLOCK).copy()
+    h = 1
+    while h < ROT_BLOCK:
+        z = y.reshape(*y.shape[:-1], ROT_BLOCK // (2 * h), 2, h)
+        a, b = z[..., 0, :].copy(), z[..., 1, :].copy()
+        z[..., 0, :] = a + b
+        z[..., 1, :] = a - b
+        h *= 2
+    return (y * np.float32(1.0 / math.sqrt(ROT_BLOCK))).reshape(x.shape).astype(np.float32)
+
+
 def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32."""
-    kt = np.asarray(k, dtype=np.float32).T  # (D, G): the G tokens of each channel form one quantizer group
-    D, G = kt.shape
+    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32.
+
+    k_rotate: the channels quantized are those of the rotated keys; k_hat is rotated back."""
+    k = np.asarray(k, dtype=np.float32)
+    G, D = k.shape
     if config.identity:
         z = np.zeros(D, np.float16)
-        return np.zeros((D, G), np.uint8), z, z.copy(), kt.T.copy()
+        return np.zeros((D, G), np.uint8), z, z.copy(), k.copy()
+    kt = (hadamard_rotate(k) if config.k_rotate else k).T  # (D, G): the G tokens of a channel form one group
     q = quantize(kt, config.k_format)  # codes (D, 1, G), d and m (D, 1)
     k_hat = dequantize(q).T.copy()
+    if config.k_rotate:
+        k_hat = hadamard_rotate(k_hat)
     return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat
 
 
 def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32."""
+    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32.
+
+    v_rotate: the rows quantized are the rotated values; v_hat is rotated back (a kernel undoes the rotation once
+    per output row: sum_j p_j rot(v_j) rotated back equals sum_j p_j v_j)."""
     v = np.asarray(v, dtype=np.float32)
     G, D = v.shape
     nv = D // config.Gv
     if config.identity:
         z = np.zeros((G, nv), np.float16)
         return np.zeros((G, D), np.uint8), z, z.copy(), v.copy()
-    q = quantize(v, config.v_format)  # codes (G, nv, Gv), d and m (G, nv)
-    return q.codes.reshape(G, D), q.d, q.m, dequantize(q)
+    q = quantize(hadamard_rotate(v) if config.v_rotate else v, config.v_format)  # codes (G, nv, Gv), d, m (G, nv)
+    v_hat = dequantize(q)
+    return q.codes.reshape(G, D), q.d, q.m, hadamard_rotate(v_hat) if config.v_rotate else v_hat
 
 
 def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +241,12 @@ def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.
     D, G = g.k_codes.shape
     kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
     vq = Quantized(codes=g.v_codes.reshape(G, D // config.Gv, config.Gv), d=g.v_scale, m=g.v_min)
-    return dequantize(kq).T.copy(), dequantize(vq)
+    k_hat, v_hat = dequantize(kq).T.copy(), dequantize(vq)
+    if config.k_rotate:
+        k_hat = hadamard_rotate(k_hat)
+    if config.v_rotate:
+        v_hat = hadamard_rotate(v_hat)
+    return k_hat, v_hat
 
 
 def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
@@ -438,6 +475,8 @@ class OttCache:
         self, heads: list[HeadState], q: np.ndarray, q_pos: np.ndarray, scale: float | None, int8_query: bool = False
     ) -> np.ndarray:
         self._check_q(q, len(q_pos))
+        if int8_query and self.config.k_rotate:
+            raise NotImplementedError("the int8-query model of the kernel reads unrotated keys (k_rotate=False)")
         q = np.asarray(q, dtype=np.float32)
         n, n_q_head, D = q.shape
         per_kv = n_q_head // self.n_kv_head
@@ -473,9 +512,9 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     """Bits held by one (layer, sequence, KV head) after n_tokens positions of steady decoding (spec 'Memory').
 
     T_q = G * floor((n - R) / G) sealed positions (0 while n < R + G) and T_tail = n - T_q. The spec's
-    `T_q*D*bits` term counts the codes of K and V together here (2*T_q*D*bits): that is what makes G = Gv = 128,
-    bits = 2 tend to the 2.25 bits per element it states. Pools count their capacity (outlier_num + aux_cap
-    slots, none for a layer without outliers): exact fp16 K and V, plus 32 bits of position and 32 bits of fp32
+    `T_q*D*bits` term counts the codes of K and V together here (T_q*D*(k_bits + v_bits)): that is what makes
+    G = Gv = 128, bits = 2 tend to the 2.25 bits per element it states. Pools count their capacity (outlier_num +
+    aux_cap slots, none for a layer without outliers): exact fp16 K and V, plus 32 bits of position and 32 bits of fp32
     score per slot. Tail and sealed positions are implicit (group index, consecutive positions): no bits.
     layer: None for a layer with outliers (config.outlier_num), else config.outliers_for_layer(layer).
     """
@@ -487,7 +526,7 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     on = config.outlier_num if layer is None else config.outliers_for_layer(layer)
     slots = on + config.aux_cap if on > 0 else 0
     return {
-        "codes": 2 * t_q * D * config.bits,
+        "codes": t_q * D * (config.kbits + config.vbits),
         "k_scale_min": 32 * D * t_q / config.G,
         "v_scale_min": 32 * t_q * D / config.Gv,
         "tail": 2 * 16 * D * t_tail,

@@ -231,6 +231,32 @@ def default_schemes(head_dim: int, base: ref.OttConfig | None = None) -> list[Sc
     return out
 
 
+# K/V code widths per side (issue 12), each with and without the Hadamard rotation of V
+WIDTH_PAIRS = ((2, 2), (3, 2), (2, 3), (3, 3), (4, 2))
+
+
+def width_name(k_bits: int, v_bits: int, *, v_rotate: bool = False, k_rotate: bool = False, kivi: bool = False) -> str:
+    rot = "+rotKV" if k_rotate and v_rotate else "+rotK" if k_rotate else "+rotV" if v_rotate else ""
+    return f"{'kivi' if kivi else 'ott'} K{k_bits}V{v_bits}{rot}"
+
+
+def width_schemes(base: ref.OttConfig | None = None) -> list[Scheme]:
+    """ott at each width pair with and without rotated V, rotated K as a check, and the no-outlier baselines of
+    the candidate tier (same widths, kivi-style)."""
+    base = base or ref.OttConfig()
+    out = []
+    for kb, vb in WIDTH_PAIRS:
+        for vr in (False, True):
+            c = replace(base, k_bits=kb, v_bits=vb, v_rotate=vr)
+            out.append(Scheme(width_name(kb, vb, v_rotate=vr), "ott", config=c))
+    for kb, vb in ((2, 2), (3, 2)):
+        c = replace(base, k_bits=kb, v_bits=vb, k_rotate=True, v_rotate=True)
+        out.append(Scheme(width_name(kb, vb, k_rotate=True, v_rotate=True), "ott", config=c))
+        c = replace(base, k_bits=kb, v_bits=vb, v_rotate=True, outlier_num=0)
+        out.append(Scheme(width_name(kb, vb, v_rotate=True, kivi=True), "ott", config=c))
+    return out
+
+
 def fig1c_schemes(base: ref.OttConfig | None = None) -> list[Scheme]:
     kivi = replace(base or ref.OttConfig(), outlier_num=0)
     return [
@@ -546,7 +572,7 @@ def study_model(
         # every stride-th position, ending at the last one: all offsets within a group are sampled alike
         qpos = np.arange(stride - 1, n_tokens, stride, dtype=np.int64)
         res = ModelResult(model, meta, n_tokens, qpos, swa, window)
-        schemes = default_schemes(D) + fig1c_schemes()
+        schemes = default_schemes(D) + fig1c_schemes() + width_schemes()
         res.schemes = {s.name: s for s in schemes}
         for s in schemes:
             res.err[s.name] = {"decode": np.zeros((n_layer, 2))}
@@ -651,7 +677,9 @@ def _params(s: Scheme) -> str:
     if s.family == "keep":
         extra = ", position 0 kept exact" if s.rule == "sink" else f", keep {s.keep} by {s.rule}"
     on = f"outlier_num={c.outlier_num}, aux_cap={c.aux_cap}, no_outlier_layers={c.no_outlier_layers}, "
-    return f"G={c.G}, R={c.R}, Gv={c.Gv}, " + (on if c.outlier_num else "") + f"mean={c.mean}{extra}"
+    widths = f"K {c.kbits}-bit, V {c.vbits}-bit, " if (c.k_bits, c.v_bits) != (None, None) else ""
+    rot = "".join(f"{side} rotated, " for side, r in (("K", c.k_rotate), ("V", c.v_rotate)) if r)
+    return widths + rot + f"G={c.G}, R={c.R}, Gv={c.Gv}, " + (on if c.outlier_num else "") + f"mean={c.mean}{extra}"
 
 
 def plot_layers(r: ModelResult, path: Path) -> None:
@@ -933,6 +961,7 @@ def write_report(
             "The choice matters only where the outliers pull that mean past a channel's range, which "
             "non_outlier rules out by construction.",
         ]
+    L += _widths_section(results)
     L += [
         "## Decision 2: which mean replaces the outliers",
         "",
@@ -948,6 +977,48 @@ def write_report(
     path = out / "fidelity.md"
     path.write_text("\n".join(L).rstrip() + "\n")
     return path
+
+
+def _widths_section(results: Sequence[ModelResult]) -> list[str]:
+    """K/V widths per side and rotation (issue 12): L2 error next to rotated q4_0's, and bits per element."""
+    L = [
+        "## K/V widths per side and rotated values",
+        "",
+        "The lead of issue 12, checked with the reference: keys and values quantized at their own widths (K channel-"
+        "wise over G tokens, V token-wise over Gv channels), each with and without an orthonormal Hadamard rotation "
+        "of V over blocks of 64 channels before quantizing (undone on the served values; outlier scores stay on the "
+        "raw keys, pooled and tail tokens stay exact). `+rotKV` rotates K too; `kivi ...` is the same cache without "
+        "outlier tokens. All other parameters at the defaults; decode mode; ratio = L2 / L2 of `q4_0+rot`.",
+        "",
+    ]
+    names = [s.name for s in width_schemes()]
+    for r in results:
+        sets = ["all", "full"] if "full" in r.layer_sets() else ["all"]
+        head = ["scheme"]
+        for ls in sets:
+            label = "all layers" if ls == "all" else "full-attn layers"
+            head += [f"L2 ({label})", f"ratio ({label})"]
+        head += [f"bits @{n // 1024}k" for n in BITS_AT]
+        L += [f"### {r.model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in ["q4_0+rot", *names]:
+            cells = [f"`{name}`"]
+            for ls in sets:
+                l2 = r.mean(name, "decode", ls)[1]
+                q4 = r.mean("q4_0+rot", "decode", ls)[1]
+                cells += [_fmt(l2), f"{l2 / q4:.2f}x"]
+            cells += _bits_cells(r.schemes[name], r)
+            L.append("| " + " | ".join(cells) + " |")
+        L.append("")
+    # the best candidates under the 3.2 bits @8k budget of spec/targets.md's quality tier
+    budget = 3.2
+    L += [f"Best width pair per model within {budget} bits per element at 8k (all layers, L2):", ""]
+    for r in results:
+        ok = [n for n in names if r.schemes[n].effective_bits(r.head_dim, 8192, r.n_layer) <= budget]
+        best = min(ok, key=lambda n: r.mean(n)[1])
+        q4 = r.mean("q4_0+rot")[1]
+        L.append(f"- {r.model}: `{best}`, L2 {_fmt(r.mean(best)[1])} = {r.mean(best)[1] / q4:.2f}x rotated q4_0's.")
+    L.append("")
+    return L
 
 
 def _cmp(a: float, b: float) -> str:
