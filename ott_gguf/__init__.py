@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# the ggml type ids of the ott caches, for llama_cpp.Llama(type_k=..., type_v=...) (read from the loaded build)
+_TYPE_IDS = {"GGML_TYPE_OTT2": "ott2", "GGML_TYPE_KIVI2": "kivi2"}
+
 _LAZY = {
     "Llama": ".llama",
     "NativeLibraryError": "._lib",
@@ -25,6 +28,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "GGML_TYPE_KIVI2",
+    "GGML_TYPE_OTT2",
     "KV_TYPES",
     "OTT_KV_TYPES",
     "Llama",
@@ -39,6 +44,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _TYPE_IDS:
+        from ._lib import ott_kv_type_ids
+
+        return ott_kv_type_ids()[_TYPE_IDS[name]]
     if name in _LAZY:
         import importlib
 

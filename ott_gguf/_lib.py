@@ -66,7 +66,8 @@ def llama_cpp_module():  # -> module
         loaded = getattr(raw._lib, "_name", "?")
         raise NativeLibraryError(
             f"llama_cpp has loaded a libllama without ott-gguf's patches ({loaded}); ours is {ours}. "
-            "Import ott_gguf before llama_cpp, or set LLAMA_CPP_LIB_PATH to that directory."
+            f"LLAMA_CPP_LIB_PATH={os.environ.get('LLAMA_CPP_LIB_PATH')!r} points elsewhere: unset it (the "
+            "installed ott_gguf_llama_cpp.pth then selects this build) or set it to that directory."
         )
     return llama_cpp
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
+from pathlib import Path
 from typing import Any
 
 from . import _lib
@@ -15,6 +17,10 @@ _llama_cpp = _lib.llama_cpp_module()
 
 # types llama.cpp can only store with flash attention (quantized V rows)
 _NEEDS_FLASH_ATTN = frozenset(t for t in KV_TYPES if t not in ("f16", "bf16"))
+# A GGUF without a chat template gets llama-cpp-python's "llama-2" format, which other families answer with an
+# empty string: their own format by architecture, else a clear error when a chat is asked for.
+_CHAT_FORMAT_BY_ARCH = {"llama": "llama-2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
+
 _STOCK_PARAMS = frozenset(
     name
     for name, p in inspect.signature(_llama_cpp.Llama.__init__).parameters.items()
@@ -79,11 +85,36 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                 flash_attn=True if flash_attn is None else bool(flash_attn),
                 **kwargs,
             )
+        if "chat_format" not in kwargs and "chat_handler" not in kwargs:
+            self._choose_chat_format()
         if name in OTT_KV_TYPES:
             # what the cache runs (kivi types: no outliers), read back from it
             self.ott_config = _lib.context_config(self._ctx.ctx)
             if self.ott_config is None:
                 raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott cache")
+
+    def _choose_chat_format(self) -> None:
+        if "tokenizer.chat_template" in self.metadata or self.chat_format != "llama-2":
+            return  # the GGUF's own template, or a format llama-cpp-python recognised
+        arch = self.metadata.get("general.architecture", "?")
+        fmt = _CHAT_FORMAT_BY_ARCH.get(arch)
+        if fmt is not None:
+            if fmt != self.chat_format:
+                warnings.warn(
+                    f"{Path(self.model_path).name} has no chat template (a base model?): chatting in the "
+                    f"{fmt!r} format of its architecture {arch!r}; pass chat_format=... to choose another",
+                    stacklevel=3,
+                )
+            self.chat_format = fmt
+            return
+
+        def refuse(**_: Any) -> Any:
+            raise ValueError(
+                f"{self.model_path} has no chat template and no known chat format for its architecture {arch!r}: "
+                "pass chat_format=... (e.g. 'chatml') or chat_handler=... to Llama(), or use the completion API"
+            )
+
+        self.chat_handler = refuse
 
     @staticmethod
     def _check_ott_config(name: str, cfg: OttConfig) -> None:

@@ -133,3 +133,47 @@ def test_ott2_generation_stops_at_the_context_end(smollm2: Path) -> None:
     assert llm.kv_cache_info()["positions"] == llm.n_tokens == 255
     with pytest.raises(ValueError, match="exceed context window"):
         llm("word " * 300, max_tokens=4)
+
+
+def test_gemma3_without_chat_template_chats_in_its_format(gemma3: Path) -> None:
+    """Gemma 3's GGUF has no chat template: the chat uses Gemma's turn format (said in a warning) instead of the
+    llama-2 fallback it answered with an empty string; an architecture without a known format refuses to chat
+    with the fix named, instead of answering nothing."""
+    with pytest.warns(UserWarning, match="no chat template"):
+        llm = Llama(str(gemma3), kv_type="ott2", n_ctx=512, verbose=False)
+    assert llm.chat_format == "gemma"
+    msg = [{"role": "user", "content": "Name three colors."}]
+    text = llm.create_chat_completion(messages=msg, max_tokens=16, temperature=0.0)["choices"][0]["message"]["content"]
+    assert text and text.strip()
+    llm.metadata = {**llm.metadata, "general.architecture": "mystery"}
+    llm.chat_format, llm.chat_handler = "llama-2", None
+    llm._choose_chat_format()
+    with pytest.raises(ValueError, match="no chat template and no known chat format.*chat_format="):
+        llm.create_chat_completion(messages=msg, max_tokens=4)
+
+
+def test_plain_llama_cpp_loads_our_build_and_selects_ott2_by_id(smollm2: Path) -> None:
+    """Existing llama-cpp-python code: `import llama_cpp` alone (ott_gguf not imported first, no environment
+    variable) loads the patched libllama, and llama_cpp.Llama(type_k=..., type_v=...) with the exported ids runs
+    the ott2 cache."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import llama_cpp
+assert hasattr(llama_cpp.llama_cpp._lib, "llama_ott_build_info"), llama_cpp.llama_cpp._lib._name
+llm = llama_cpp.Llama({str(smollm2)!r}, n_ctx=512, flash_attn=True, verbose=False, type_k=OTT_ID, type_v=OTT_ID)
+out = llm("The three primary colors are", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+import ott_gguf
+assert OTT_ID == ott_gguf.GGML_TYPE_OTT2
+info = ott_gguf._lib.ott_cache_info(llm._ctx.ctx)
+print(info["layers"], info["positions"], repr(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    type_id = ott_gguf.GGML_TYPE_OTT2
+    res = subprocess.run([sys.executable, "-c", code.replace("OTT_ID", str(type_id))], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    layers, positions, text = res.stdout.split(" ", 2)
+    assert int(layers) == 30 and int(positions) > 8 and len(text.strip("'\n ")) > 0
