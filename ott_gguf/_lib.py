@@ -97,6 +97,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "llama_ott_context_config": (ctypes.c_bool, [ctypes.c_void_p, ctypes.POINTER(LlamaOttConfig)]),
     "llama_ott_cache_info": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]),
     "llama_ott_kv_cache_bytes": (ctypes.c_int64, [ctypes.c_void_p]),
+    "llama_ott_last_error": (ctypes.c_char_p, []),
     # ggml-base's, reached through libllama (dlsym follows its dependencies)
     "ggml_type_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_type_size": (ctypes.c_size_t, [ctypes.c_int]),
@@ -189,6 +190,11 @@ def ott_cache_info(ctx: object) -> dict[str, int] | None:
     out = (ctypes.c_int64 * k)()
     n = native().llama_ott_cache_info(ctx, out, k)
     return dict(zip(OTT_CACHE_INFO_FIELDS, (int(v) for v in out), strict=True)) if n == k else None
+
+
+def last_error() -> str:
+    """Why the last state load on this thread was refused by an ott cache ("" when it was not)."""
+    return (native().llama_ott_last_error() or b"").decode()
 
 
 def kv_cache_bytes(ctx: object) -> int:

@@ -93,6 +93,14 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             if self.ott_config is None:
                 raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott cache")
 
+    _chat_note = ""  # said once, at the first chat
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        if self._chat_note:
+            warnings.warn(self._chat_note, stacklevel=2)
+            self._chat_note = ""
+        return super().create_chat_completion(*args, **kwargs)
+
     def _choose_chat_format(self) -> None:
         if "tokenizer.chat_template" in self.metadata or self.chat_format != "llama-2":
             return  # the GGUF's own template, or a format llama-cpp-python recognised
@@ -100,10 +108,9 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         fmt = _CHAT_FORMAT_BY_ARCH.get(arch)
         if fmt is not None:
             if fmt != self.chat_format:
-                warnings.warn(
+                self._chat_note = (
                     f"{Path(self.model_path).name} has no chat template (a base model?): chatting in the "
-                    f"{fmt!r} format of its architecture {arch!r}; pass chat_format=... to choose another",
-                    stacklevel=3,
+                    f"{fmt!r} format of its architecture {arch!r}; pass chat_format=... to choose another"
                 )
             self.chat_format = fmt
             return
@@ -155,10 +162,8 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             super().load_state(state)
         except RuntimeError as e:
             if self.kv_type in OTT_KV_TYPES:
-                raise ValueError(
-                    f"this saved state cannot be loaded into a {self.kv_type} cache: it was saved with another K/V "
-                    "cache type or another ott2 configuration (llama.cpp's log says which)"
-                ) from e
+                reason = _lib.last_error() or "llama.cpp refused it before the K/V cache part (another model?)"
+                raise ValueError(f"this saved state cannot be loaded into a {self.kv_type} cache: {reason}") from e
             raise
 
     def close(self) -> None:

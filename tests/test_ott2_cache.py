@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -240,13 +241,31 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
     assert llm.kv_cache_info()["positions"] == 450 and llm.kv_cache_info()["sealed"] == 384
     assert greedy(llm, doc_tokens[450], 100) == first
 
+    # each refusal names its reason in the exception itself (verbose=False: no log to read)
     other = Llama(str(smollm2), kv_type="ott2", ott_config=OttConfig(R=16), n_ctx=2048, verbose=False)
-    with pytest.raises(ValueError, match="another ott2 configuration"):
+    with pytest.raises(ValueError, match="saved with another configuration: R=32, this cache has R=16"):
         other.load_state(state)
     q8 = Llama(str(smollm2), kv_type="q8_0", n_ctx=2048, verbose=False)
     q8.eval(doc_tokens[:50])
-    with pytest.raises(ValueError, match="another K/V cache type"):
+    with pytest.raises(ValueError, match="not saved from an ott cache"):
         llm.load_state(q8.save_state())
+    raw = bytes(state.llama_state)
+
+    def altered(data: bytes) -> object:
+        bad = copy.copy(state)
+        bad.llama_state, bad.llama_state_size = data, len(data)
+        return bad
+
+    with pytest.raises(ValueError, match="the state is truncated"):
+        llm.load_state(altered(raw[:-3000]))
+    flipped = bytearray(raw)
+    for i in range(len(raw) - 20_000, len(raw) - 100, 997):
+        flipped[i] ^= 0x10  # bit flips inside the cache's body: refused, never loaded silently
+    with pytest.raises(ValueError, match="the state is corrupt"):
+        llm.load_state(altered(bytes(flipped)))
+    # a refused load leaves a cache that still works: the good state loads and continues as before
+    llm.load_state(state)
+    assert greedy(llm, doc_tokens[450], 100) == first
 
 
 def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:

@@ -52,6 +52,11 @@ LLAMA_API const char * llama_ott_build_info(void);
 // architecture.
 LLAMA_API bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n);
 
+// Why the last state load on this thread was refused by an ott cache ("" when it was not): truncated, corrupt,
+// another cache type, another configuration (naming the field), another format version. llama_state_set_data
+// and its variants only return a failure code; this names the reason.
+LLAMA_API const char * llama_ott_last_error(void);
+
 // Bytes allocated by the context's K/V cache, whatever its type (the memory module's own breakdown over devices,
 // summed; a sliding-window model's two caches together); 0 for a context without one.
 LLAMA_API int64_t llama_ott_kv_cache_bytes(const struct llama_context * ctx);

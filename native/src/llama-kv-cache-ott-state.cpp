@@ -5,6 +5,7 @@
 
 #include "ggml-backend.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,17 +28,77 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
     ggml_backend_tensor_set(t, tmp.data(), off, n);
 }
 
-// State: magic, version, the configuration and per-layer shapes (a state of another cache type or another
-// configuration is refused), then per stream its counters and the used parts of every tensor.
+// State: magic, version, the configuration (a state of another cache type or another configuration is refused,
+// naming the field), the length of the body, the body, and a checksum of it (a truncated or corrupt state is
+// refused before anything is applied). Body: per-layer shapes, then per stream its counters and the used parts
+// of every tensor.
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
-static const uint32_t OTT_STATE_VERSION = 2; // 2: only the used ring rows and pool slots
+static const uint32_t OTT_STATE_VERSION = 3; // 2: only the used ring rows and pool slots; 3: length and checksum
+static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
+
+// FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
+static uint64_t ott_fnv1a(const uint8_t * p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; ++i) {
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+// the body is built and checked in host memory, through the same io interface the cache writes and reads with
+class ott_body_writer : public llama_io_write_i {
+public:
+    std::vector<uint8_t> buf;
+    void write(const void * src, size_t size) override {
+        buf.insert(buf.end(), (const uint8_t *) src, (const uint8_t *) src + size);
+    }
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t at = buf.size();
+        buf.resize(at + size);
+        ggml_backend_tensor_get(tensor, buf.data() + at, offset, size);
+    }
+    size_t n_bytes() override { return buf.size(); }
+};
+
+class ott_body_reader : public llama_io_read_i {
+public:
+    ott_body_reader(const std::vector<uint8_t> & buf, const char * name) : buf(buf), name(name) {}
+    void read(void * dst, size_t size) override {
+        if (size > buf.size() - at) {
+            throw std::runtime_error(std::string(name) + ": the state is corrupt (its body ends early)");
+        }
+        memcpy(dst, buf.data() + at, size);
+        at += size;
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        std::vector<uint8_t> tmp(size);
+        read(tmp.data(), size);
+        ggml_backend_tensor_set(tensor, tmp.data(), offset, size);
+    }
+    size_t n_bytes() override { return at; }
+    size_t left() const { return buf.size() - at; }
+
+private:
+    const std::vector<uint8_t> & buf;
+    const char * name;
+    size_t at = 0;
+};
 
 void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     GGML_UNUSED(flags);
     const uint32_t hdr[9] = { OTT_STATE_MAGIC, OTT_STATE_VERSION, (uint32_t) cfg.G, (uint32_t) cfg.R, OTT2_HEAD_GV,
                               (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap, (uint32_t) cfg.no_outlier_layers,
                               (uint32_t) layers.size() };
+    ott_body_writer body;
+    state_write_body(body, seq_id);
+    const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
     io.write(hdr, sizeof(hdr));
+    io.write(&len, sizeof(len));
+    io.write(body.buf.data(), body.buf.size());
+    io.write(&sum, sizeof(sum));
+}
+
+void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const {
     for (const auto & L : layers) {
         const uint32_t shape[4] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S };
         io.write(shape, sizeof(shape));
@@ -85,27 +146,59 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
 
 void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
     GGML_UNUSED(flags);
-    uint32_t hdr[9];
-    io.read(hdr, sizeof(hdr));
-    if (hdr[0] != OTT_STATE_MAGIC) {
-        throw std::runtime_error(std::string(kv_type.name) + 
-                                 ": this state was not saved from an ott cache (another K/V cache type?)");
-    }
-    if (hdr[1] != OTT_STATE_VERSION) {
-        throw std::runtime_error(std::string(kv_type.name) + ": state version " + std::to_string(hdr[1]) + ", this build reads version " +
-                                 std::to_string(OTT_STATE_VERSION));
-    }
-    const uint32_t mine[7] = { (uint32_t) cfg.G, (uint32_t) cfg.R, OTT2_HEAD_GV, (uint32_t) cfg.outlier_num,
-                               (uint32_t) cfg.aux_cap, (uint32_t) cfg.no_outlier_layers,
-                               (uint32_t) layers.size() };
-    const char * names[7] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers", "n_layer" };
-    for (int i = 0; i < 7; ++i) {
-        if (hdr[2 + i] != mine[i]) {
-            throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with " + names[i] + "=" +
-                                     std::to_string(hdr[2 + i]) + ", this cache has " + names[i] + "=" +
-                                     std::to_string(mine[i]));
+    llama_ott_record_error("");
+    try {
+        uint32_t hdr[9];
+        io.read(hdr, sizeof(hdr));
+        if (hdr[0] != OTT_STATE_MAGIC) {
+            throw std::runtime_error(std::string(kv_type.name) +
+                                     ": this state was not saved from an ott cache (another K/V cache type?)");
         }
+        if (hdr[1] != OTT_STATE_VERSION) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the state has format version " +
+                                     std::to_string(hdr[1]) + " (an earlier ott-gguf); this build reads version " +
+                                     std::to_string(OTT_STATE_VERSION) + ": save it again with this build");
+        }
+        const uint32_t mine[7] = { (uint32_t) cfg.G, (uint32_t) cfg.R, OTT2_HEAD_GV, (uint32_t) cfg.outlier_num,
+                                   (uint32_t) cfg.aux_cap, (uint32_t) cfg.no_outlier_layers,
+                                   (uint32_t) layers.size() };
+        const char * names[7] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers", "n_layer" };
+        for (int i = 0; i < 7; ++i) {
+            if (hdr[2 + i] != mine[i]) {
+                throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
+                                         "configuration: " + names[i] + "=" + std::to_string(hdr[2 + i]) +
+                                         ", this cache has " + names[i] + "=" + std::to_string(mine[i]));
+            }
+        }
+        uint64_t len = 0, sum = 0;
+        std::vector<uint8_t> body;
+        try {
+            io.read(&len, sizeof(len));
+            if (len > OTT_STATE_MAX_BODY) {
+                throw std::runtime_error("length");
+            }
+            body.resize(len);
+            io.read(body.data(), body.size());
+            io.read(&sum, sizeof(sum));
+        } catch (const std::exception &) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the state is truncated (its ott part announces " +
+                                     std::to_string(len) + " bytes and a checksum, which are not all there)");
+        }
+        if (ott_fnv1a(body.data(), body.size()) != sum) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the state is corrupt (checksum mismatch)");
+        }
+        ott_body_reader reader(body, kv_type.name);
+        state_read_body(reader, seq_id);
+        if (reader.left() != 0) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the state is corrupt (bytes left over)");
+        }
+    } catch (const std::exception & e) {
+        llama_ott_record_error(e.what()); // the reason, for callers that get only a failure code back
+        throw;
     }
+}
+
+void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_id) {
     for (const auto & L : layers) {
         uint32_t shape[4];
         io.read(shape, sizeof(shape));

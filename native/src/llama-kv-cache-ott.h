@@ -50,6 +50,9 @@ std::string llama_ott_model_problem(const llama_model & model);
 // why this build's caches refuse cfg ("" when they accept it)
 std::string llama_ott_config_problem(const llama_ott_config & cfg);
 
+// the reason of the last refusal on this thread (state loading), for llama_ott_last_error
+void llama_ott_record_error(const std::string & msg);
+
 // create_memory's hook: the cache for an ott K/V type (nullptr for other types); throws std::runtime_error with a
 // clear message for unsupported models, types or parameters
 llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
@@ -154,6 +157,8 @@ public:
     std::vector<ott_stream> streams;
 
 private:
+    void state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const;
+    void state_read_body (llama_io_read_i  & io, llama_seq_id seq_id);
     void reset_stream_meta(uint32_t s);
     void unseal(uint32_t s, llama_pos p0);
 

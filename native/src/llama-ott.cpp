@@ -175,6 +175,16 @@ llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_
 
 // ------------------------------------------------------------------------------------------------ C API
 
+static thread_local std::string ott_last_error;
+
+void llama_ott_record_error(const std::string & msg) {
+    ott_last_error = msg;
+}
+
+const char * llama_ott_last_error(void) {
+    return ott_last_error.c_str();
+}
+
 const char * llama_ott_build_info(void) {
     static const std::string info = [] {
         char buf[256];
