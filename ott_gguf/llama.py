@@ -59,6 +59,13 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                 f"kv_type={name!r} stores quantized V rows, which llama.cpp supports only with flash attention; "
                 "leave flash_attn at its default (on)"
             )
+        if kwargs.get("embedding") and name in OTT_KV_TYPES:
+            # llama-cpp-python embeds up to n_batch texts per decode, one sequence each, sharing n_ctx: the ott
+            # cache's per-sequence streams would get a few tokens each, and an embedding pass keeps nothing anyway
+            raise ValueError(
+                f"kv_type={name!r} with embedding=True: embeddings evaluate each text once and keep nothing in the "
+                "K/V cache, so an ott cache saves nothing there; use kv_type='f16' (or 'q8_0') for embeddings"
+            )
         if ott_config is not None and name not in OTT_KV_TYPES:
             raise ValueError(f"ott_config applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {name!r}")
         self.kv_type = name
@@ -77,14 +84,21 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             scope = _lib.thread_config(cfg)
         else:
             type_id = _lib.ggml_type_ids()[name]
-        with scope:
-            super().__init__(
-                model_path=model_path,
-                type_k=type_id,
-                type_v=type_id,
-                flash_attn=True if flash_attn is None else bool(flash_attn),
-                **kwargs,
-            )
+        try:
+            with scope:
+                super().__init__(
+                    model_path=model_path,
+                    type_k=type_id,
+                    type_v=type_id,
+                    flash_attn=True if flash_attn is None else bool(flash_attn),
+                    **kwargs,
+                )
+        except ValueError as e:
+            # llama-cpp-python says only "Failed to create llama_context": the cache says why
+            reason = _lib.last_error() if name in OTT_KV_TYPES else ""
+            if reason:
+                raise ValueError(f"kv_type={name!r}: the context could not be created: {reason}") from e
+            raise
         if "chat_format" not in kwargs and "chat_handler" not in kwargs:
             self._choose_chat_format()
         if name in OTT_KV_TYPES:

@@ -178,3 +178,25 @@ print(info["layers"], info["positions"], repr(out))
     assert res.returncode == 0, res.stderr[-3000:]
     layers, positions, text = res.stdout.split(" ", 2)
     assert int(layers) == 30 and int(positions) > 8 and len(text.strip("'\n ")) > 0
+
+
+def test_embeddings_with_an_ott_type_say_what_to_use(smollm2: Path) -> None:
+    """Batched embeddings with kv_type='ott2' used to fail inside llama_decode ("failed to find a memory slot");
+    now the choice is refused up front with the fix, and the suggested type embeds a batch."""
+    with pytest.raises(ValueError, match="embedding=True.*use kv_type='f16'"):
+        Llama(str(smollm2), kv_type="ott2", embedding=True, verbose=False)
+    emb = Llama(str(smollm2), kv_type="f16", embedding=True, verbose=False).embed(["a", "b"])
+    assert len(emb) == 2
+
+
+def test_a_context_the_ott_cache_refuses_says_why(smollm2: Path) -> None:
+    """llama_init_from_model only logs why the cache refused and returns NULL: the reason is kept for the caller
+    (llama_ott_last_error), here for mixed ott types through llama-cpp-python's own Llama."""
+    import llama_cpp
+
+    ids = ott_gguf._lib.ott_kv_type_ids()
+    with pytest.raises(ValueError, match="Failed to create llama_context"):
+        with ott_gguf._lib.thread_config(ott_gguf.OttConfig()):
+            llama_cpp.Llama(str(smollm2), n_ctx=512, flash_attn=True, verbose=False, type_k=ids["ott2"],
+                            type_v=ids["kivi2"])  # fmt: skip
+    assert "must be the same ott type (one of ott2, kivi2)" in ott_gguf._lib.last_error()

@@ -210,7 +210,7 @@ def test_each_llama_keeps_its_own_configuration_also_across_threads(smollm2: Pat
     # a kivi2 state is not an ott2 state of the same parameters
     kivi.eval(kivi.tokenize(b"Hello there, how are you today?"))
     other = Llama(str(smollm2), kv_type="ott2", ott_config=cfgs[0], n_ctx=512, verbose=False)
-    with pytest.raises(ValueError, match="another ott2 configuration"):
+    with pytest.raises(ValueError, match="another configuration: outlier_num=0, this cache has outlier_num=5"):
         other.load_state(kivi.save_state())
 
 

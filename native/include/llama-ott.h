@@ -52,9 +52,11 @@ LLAMA_API const char * llama_ott_build_info(void);
 // architecture.
 LLAMA_API bool llama_ott_supports_model(const struct llama_model * model, char * reason, size_t n);
 
-// Why the last state load on this thread was refused by an ott cache ("" when it was not): truncated, corrupt,
-// another cache type, another configuration (naming the field), another format version. llama_state_set_data
-// and its variants only return a failure code; this names the reason.
+// Why the last state load or cache creation on this thread was refused by an ott cache ("" when it was not):
+// truncated, corrupt, another cache type, another configuration (naming the field), another format version; an
+// unsupported model, mixed K/V types, a device without the ott ops, a failed allocation. llama_state_set_data and
+// llama_init_from_model only return a failure code; this names the reason. Setting a configuration
+// (llama_ott_set_thread_config, llama_ott_init_from_model) starts with none.
 LLAMA_API const char * llama_ott_last_error(void);
 
 // Bytes allocated by the context's K/V cache, whatever its type (the memory module's own breakdown over devices,

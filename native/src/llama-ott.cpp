@@ -90,6 +90,9 @@ static thread_local bool             ott_thread_has_cfg = false;
 static thread_local llama_ott_config ott_thread_cfg;
 
 void llama_ott_set_thread_config(const struct llama_ott_config * cfg) {
+    if (cfg) {
+        llama_ott_record_error(""); // a context creation on this thread starts without a reason from before
+    }
     ott_thread_has_cfg = cfg != nullptr;
     if (cfg) {
         ott_thread_cfg = *cfg;
@@ -102,7 +105,8 @@ llama_context * llama_ott_init_from_model(llama_model * model, llama_context_par
     const llama_ott_config saved = ott_thread_cfg;
     llama_ott_set_thread_config(cfg);
     llama_context * ctx = llama_init_from_model(model, params);
-    llama_ott_set_thread_config(had ? &saved : nullptr);
+    ott_thread_has_cfg = had; // restored without clearing the reason of a failure
+    ott_thread_cfg = saved;
     return ctx;
 }
 
@@ -134,8 +138,8 @@ std::string llama_ott_model_problem(const llama_model & model) {
     return "";
 }
 
-llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
-                                         ggml_type type_v) {
+static llama_memory_i * ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
+                                          ggml_type type_v) {
     const llama_ott_kv_type * tk = llama_ott_kv_type_of(type_k);
     const llama_ott_kv_type * tv = llama_ott_kv_type_of(type_v);
     if (!tk && !tv) {
@@ -171,6 +175,17 @@ llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_
         return new llama_kv_cache_ott_iswa(model, cparams, *tk, cfg);
     }
     return new llama_kv_cache_ott(model, cparams, *tk, cfg);
+}
+
+llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
+                                         ggml_type type_v) {
+    try {
+        return ott_create_memory(model, cparams, type_k, type_v);
+    } catch (const std::exception & e) {
+        // llama_init_from_model only logs it and returns NULL: keep the reason for llama_ott_last_error
+        llama_ott_record_error(e.what());
+        throw;
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ C API
