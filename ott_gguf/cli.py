@@ -154,6 +154,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         "is rounded down to a multiple of 256."
     )
     print("\n" + textwrap.fill(note, width=110))
+    beyond = [t for t, k in measured.items() if mi.n_ctx_train and k.longest_context(budget) > mi.n_ctx_train]
+    if beyond:
+        print(textwrap.fill(
+            f"note: the model was trained on {mi.n_ctx_train} tokens; the max n_ctx of {', '.join(beyond)} goes "
+            "beyond it: the budget fits that much cache, but the model's quality past its trained context is not "
+            "what it was trained for (llama.cpp warns when n_ctx exceeds it).", width=110))  # fmt: skip
     for t in OTT_KV_TYPES:
         if t in measured and measured[t].parts:
             parts = ", ".join(f"{name} {b / MIB:.2f}" for name, b in measured[t].parts.items())
@@ -163,6 +169,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import REFERENCE, evaluate, import_pyplot, plot_eval
+    from .kv_types import OTT_KV_TYPES, OttConfig
 
     path = _model_path(args.model)
     if args.plot:
@@ -177,6 +184,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # significant digits, not decimals: an exact 0 prints as 0, a tiny divergence does not round to it
     print(_table(header, [[r.kv_type, f"{r.mean_kld:.4g}", f"{r.max_kld:.4g}", f"{r.ppl:.3f}", f"{r.ppl_ratio:.4f}",
                            f"{100 * r.top1:.1f}%"] for r in rows]))  # fmt: skip
+    ott = [t for t in args.kv_types if t in OTT_KV_TYPES]
+    cfg = OttConfig()
+    if ott and args.n_ctx < cfg.R + cfg.G:
+        # nothing is quantized below R + G positions: the ott rows then measure an fp16 cache, not 2 bits
+        print(f"warning: at n_ctx {args.n_ctx} no group of {cfg.G} tokens is ever sealed (that takes {cfg.R + cfg.G} "
+              f"positions): {', '.join(ott)} kept every token in fp16 here; use --n-ctx {cfg.R + cfg.G} or more",
+              file=sys.stderr)  # fmt: skip
     if args.plot:
         plot_eval(rows, args.plot, title=f"{path.name}: {rows[0].n_tokens} tokens, n_ctx {args.n_ctx}")
         print(f"plot: {args.plot}")
@@ -219,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="chat-complete one prompt greedily with a GGUF model")
     g.add_argument("prompt")
     g.add_argument("--model", help=f"GGUF path or one of {', '.join(models.MODELS)} (default {models.DEFAULT_MODEL})")
-    g.add_argument("--kv-type", default="f16", help=f"K/V cache type: {', '.join(KV_TYPES)}")
+    g.add_argument("--kv-type", default="ott2", help=f"K/V cache type: {', '.join(KV_TYPES)} (default ott2)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--n-ctx", type=int, default=2048)
     g.add_argument("--verbose", action="store_true", help="show llama.cpp's log")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_types import ROT_BLOCK, OttConfig
-from .quantizer import Quantized, dequantize, quantize
+from .quantizer import BlockFormat, Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
 
@@ -99,6 +99,10 @@ class SealedGroup:
     placeholders: np.ndarray  # (n,) int64: positions that won at sealing (served from the pools forever)
     k_hat: np.ndarray  # (G, D) float32: what the codes decode to (derived; the input itself if identity)
     v_hat: np.ndarray  # (G, D) float32
+    # whether each side's codes are of the rotated values (config.k_rotate/v_rotate, unless the rotated group would
+    # not fit the fp16 scale and min: see rotated_or_plain)
+    k_rotated: bool = False
+    v_rotated: bool = False
 
 
 @dataclass
@@ -201,25 +205,43 @@ def hadamard_rotate(x: np.ndarray) -> np.ndarray:
     return (y * np.float32(1.0 / math.sqrt(ROT_BLOCK))).reshape(x.shape).astype(np.float32)
 
 
-def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32.
+def rotated_or_plain(
+    x: np.ndarray, rotate: bool, fmt: BlockFormat, *, transpose: bool = False
+) -> tuple[Quantized, bool]:
+    """Quantize x (rows are quantizer groups) in the rotated basis when asked and when it fits: a rotated value
+    can be up to 8x the largest input (all 64 channels of a block aligned), so a group of fp16 values beyond
+    65504/8 can get a scale or min that fp16 cannot hold. Such a group is quantized unrotated instead, and says so
+    (one flag per sealed group and side), so that no stored scale or min is ever infinite. transpose: the columns
+    of x are the groups (keys: a channel over the group's tokens); the rotation is always along the channels."""
+    if rotate:
+        xr = hadamard_rotate(x)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
+            q = quantize(xr.T if transpose else xr, fmt)
+        if np.isfinite(q.d).all() and np.isfinite(q.m).all():
+            return q, True
+    return quantize(x.T if transpose else x, fmt), False
+
+
+def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32, rotated.
 
     k_rotate: the channels quantized are those of the rotated keys; k_hat is rotated back."""
     k = np.asarray(k, dtype=np.float32)
     G, D = k.shape
     if config.identity:
         z = np.zeros(D, np.float16)
-        return np.zeros((D, G), np.uint8), z, z.copy(), k.copy()
-    kt = (hadamard_rotate(k) if config.k_rotate else k).T  # (D, G): the G tokens of a channel form one group
-    q = quantize(kt, config.k_format)  # codes (D, 1, G), d and m (D, 1)
+        return np.zeros((D, G), np.uint8), z, z.copy(), k.copy(), False
+    # transposed: the G tokens of a channel form one group, codes (D, 1, G), d and m (D, 1)
+    q, rotated = rotated_or_plain(k, config.k_rotate, config.k_format, transpose=True)
     k_hat = dequantize(q).T.copy()
-    if config.k_rotate:
+    if rotated:
         k_hat = hadamard_rotate(k_hat)
-    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat
+    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat, rotated
 
 
-def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32.
+def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32,
+    rotated.
 
     v_rotate: the rows quantized are the rotated values; v_hat is rotated back (a kernel undoes the rotation once
     per output row: sum_j p_j rot(v_j) rotated back equals sum_j p_j v_j)."""
@@ -228,10 +250,10 @@ def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.nd
     nv = D // config.Gv
     if config.identity:
         z = np.zeros((G, nv), np.float16)
-        return np.zeros((G, D), np.uint8), z, z.copy(), v.copy()
-    q = quantize(hadamard_rotate(v) if config.v_rotate else v, config.v_format)  # codes (G, nv, Gv), d, m (G, nv)
+        return np.zeros((G, D), np.uint8), z, z.copy(), v.copy(), False
+    q, rotated = rotated_or_plain(v, config.v_rotate, config.v_format)  # codes (G, nv, Gv), d, m (G, nv)
     v_hat = dequantize(q)
-    return q.codes.reshape(G, D), q.d, q.m, hadamard_rotate(v_hat) if config.v_rotate else v_hat
+    return q.codes.reshape(G, D), q.d, q.m, hadamard_rotate(v_hat) if rotated else v_hat, rotated
 
 
 def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -242,9 +264,9 @@ def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.
     kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
     vq = Quantized(codes=g.v_codes.reshape(G, D // config.Gv, config.Gv), d=g.v_scale, m=g.v_min)
     k_hat, v_hat = dequantize(kq).T.copy(), dequantize(vq)
-    if config.k_rotate:
+    if g.k_rotated:
         k_hat = hadamard_rotate(k_hat)
-    if config.v_rotate:
+    if g.v_rotated:
         v_hat = hadamard_rotate(v_hat)
     return k_hat, v_hat
 
@@ -287,8 +309,8 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             gv[won] = group_mean(gv, rows)
 
     # 5. quantize and drop the group from the tail
-    k_codes, k_scale, k_min, k_hat = quantize_keys(gk, config)
-    v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
+    k_codes, k_scale, k_min, k_hat, k_rotated = quantize_keys(gk, config)
+    v_codes, v_scale, v_min, v_hat, v_rotated = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(
             index=index,
@@ -301,6 +323,8 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             placeholders=gpos[won],
             k_hat=k_hat,
             v_hat=v_hat,
+            k_rotated=k_rotated,
+            v_rotated=v_rotated,
         )
     )
     state.tail_pos = state.tail_pos[G:]

@@ -65,6 +65,10 @@ def test_info_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> N
 
     longest = {t: int(r[f"max n_ctx in {budget_mib} MiB"]) for t, r in rows.items()}
     assert longest["ott2"] > longest["q4_0"] > longest["q8_0"] > longest["f16"] > 0
+    # SmolLM2 was trained on 8192 tokens: contexts the budget allows beyond that are pointed out, by type
+    assert "trained context: 8192" in out
+    beyond = [t for t in rows if longest[t] > 8192]
+    assert beyond and f"the max n_ctx of {', '.join(beyond)} goes beyond it" in " ".join(out.split())
     budget = budget_mib * MIB
     for t, r in rows.items():
         fixed = float(r["fixed MiB"]) * MIB
@@ -191,6 +195,17 @@ def test_missing_or_unreadable_model_is_named(command: str, tmp_path: Path, caps
     junk.write_bytes(b"not a GGUF file" * 100)
     code, _, err = run_cli(capsys, command, junk)
     assert code == 2 and "load" in err and str(junk) in err
+
+
+def test_eval_warns_when_nothing_gets_sealed(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Below R + G positions the ott cache quantizes nothing: eval says so instead of reporting ott2 as lossless."""
+    code, out, err = run_cli(capsys, "eval", smollm2, "--n-ctx", 128, "--chunks", 1, "--threads", THREADS,
+                             "--kv-types", "f16,ott2")  # fmt: skip
+    assert code == 0, err
+    assert "no group of 128 tokens is ever sealed" in err and "--n-ctx 160" in err
+    code, out, err = run_cli(capsys, "eval", smollm2, "--n-ctx", 128, "--chunks", 1, "--threads", THREADS,
+                             "--kv-types", "f16,q8_0")  # fmt: skip
+    assert code == 0 and "sealed" not in err
 
 
 def test_eval_missing_text_file_is_named(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -138,8 +138,8 @@ def served_from_fields(s: HeadState, cfg: OttConfig) -> tuple[np.ndarray, np.nda
             kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
             vq = Quantized(codes=g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), d=g.v_scale, m=g.v_min)
             kh, vh = dequantize(kq).T, dequantize(vq)
-            k[sl] = hadamard_rotate(kh) if cfg.k_rotate else kh
-            v[sl] = hadamard_rotate(vh) if cfg.v_rotate else vh
+            k[sl] = hadamard_rotate(kh) if g.k_rotated else kh
+            v[sl] = hadamard_rotate(vh) if g.v_rotated else vh
     for p in (s.pool, s.aux):
         k[p.pos] = p.k
         v[p.pos] = p.v
@@ -224,10 +224,20 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         if cfg.identity:
             assert np.array_equal(g.k_hat, xk.astype(np.float32)) and np.array_equal(g.v_hat, xv.astype(np.float32))
             continue
-        # per-side widths; a rotated side is quantized in the rotated basis (scores above stay on the raw keys)
+        # per-side widths; a rotated side is quantized in the rotated basis (scores above stay on the raw keys),
+        # unless that gives a scale or min beyond fp16: then unrotated, and the group says so
         xk32, xv32 = xk.astype(np.float32), xv.astype(np.float32)
-        qk = quantize((hadamard_rotate(xk32) if cfg.k_rotate else xk32).T, BlockFormat(cfg.kbits, G))
-        qv = quantize(hadamard_rotate(xv32) if cfg.v_rotate else xv32, BlockFormat(cfg.vbits, cfg.Gv))
+
+        def fits(q: Quantized) -> bool:
+            return bool(np.isfinite(q.d).all() and np.isfinite(q.m).all())
+
+        qk = quantize(xk32.T, BlockFormat(cfg.kbits, G))
+        qv = quantize(xv32, BlockFormat(cfg.vbits, cfg.Gv))
+        with np.errstate(over="ignore", invalid="ignore"):  # a rotated group may overflow fp16: the fallback
+            rk = quantize(hadamard_rotate(xk32).T, BlockFormat(cfg.kbits, G))
+            rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv))
+        assert g.k_rotated == (cfg.k_rotate and fits(rk)) and g.v_rotated == (cfg.v_rotate and fits(rv))
+        qk, qv = (rk if g.k_rotated else qk), (rv if g.v_rotated else qv)
         assert np.array_equal(g.k_codes, qk.codes[:, 0, :])
         assert f16_equal(g.k_scale, qk.d[:, 0]) and f16_equal(g.k_min, qk.m[:, 0])
         assert np.array_equal(g.v_codes, qv.codes.reshape(G, -1))
@@ -865,6 +875,23 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
         want = v[:sealed, 0].astype(np.float16).astype(np.float32)
         err[name] = np.linalg.norm(served_v[:sealed] - want) / np.linalg.norm(want)
     assert err["rot"] < 0.95 * err["plain"], err  # measured 0.237 vs 0.264
+
+
+def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
+    """fp16 values beyond 65504/8 can rotate to a scale or min fp16 cannot hold: that group is quantized
+    unrotated (its flag says so) and nothing stored is ever infinite; an ordinary group is rotated."""
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True)
+    rng = np.random.default_rng(5)
+    k, v = make_kv(rng, 64, 1, 64, "normal")
+    k[32:], v[32:] = 30000.0, 30000.0  # group 1: all channels aligned and large: 8 x 30000 overflows fp16
+    k[32:, :, 1::2] *= -1
+    cache = OttCache(cfg, 1, 1, 64)
+    run(cache, 0, 0, None, k, v, [])
+    s = cache.state(0, 0, 0)
+    assert [(g.k_rotated, g.v_rotated) for g in s.groups] == [(True, True), (False, False)]
+    for g in s.groups:
+        assert np.isfinite(g.k_scale).all() and np.isfinite(g.v_min).all() and np.isfinite(g.v_hat).all()
+    check_against_model(s, cfg, 0, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
 
 
 @pytest.mark.parametrize("k_bits,v_bits", [(3, 2), (2, 3), (4, 2)])
