@@ -5,9 +5,9 @@ Deterministic: the same templates and parameters give the same bytes. A file is 
 content changes (FlashInfer's write_if_different), so the build recompiles only what changed.
 
 Targets:
-  ggml     what the ott caches run in the build: the per-head kernels of libllama (ott2-head.{h,c}) and the
-           cache's ops as CUDA (ott2-cuda-ops.cu) and as their CPU emulation for the tests (ott2-emu-ops.cpp),
-           with their header ott2-cuda.h.
+  ggml     what the ott caches run in the build, for every (K width, V width) pair of the cache types: the
+           per-head kernels of ggml-cpu and libllama (ott2-head.{h,c}) and the cache's ops as CUDA (ott2-cuda-ops.cu)
+           and as their CPU emulation for the tests (ott2-emu-ops.cpp), with their header ott2-cuda.h.
   kernels  a stand-alone kernel library for the tests only (never installed): every (bits, group) config for
            every ISA of the architecture, each ISA in its own file so it is compiled with its own flags, plus a
            table.
@@ -94,23 +94,29 @@ class Config:
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """One ott2 cache config for the per-head kernels: K blocks of G tokens, V blocks of Gv channels."""
+    """One ott cache config for the per-head kernels: K blocks of G tokens at kbits per code, V blocks of Gv
+    channels at vbits per code."""
 
-    bits: int
+    kbits: int
+    vbits: int
     G: int
     Gv: int
 
     @property
     def k(self) -> Config:
-        return Config(self.bits, self.G)
+        return Config(self.kbits, self.G)
 
     @property
     def v(self) -> Config:
-        return Config(self.bits, self.Gv)
+        return Config(self.vbits, self.Gv)
 
     @property
     def tag(self) -> str:
-        return f"h{self.bits}g{self.G}v{self.Gv}"
+        return f"k{self.kbits}v{self.vbits}g{self.G}x{self.Gv}"
+
+    @property
+    def spec(self) -> str:
+        return f"{self.kbits}/{self.vbits}:{self.G}:{self.Gv}"
 
     @property
     def int_chunk(self) -> int:
@@ -122,11 +128,13 @@ class HeadConfig:
 
 
 def parse_heads(text: str) -> list[HeadConfig]:
+    """'K/V:G:Gv' items (or 'B:G:Gv' for the same width on both sides), comma-separated."""
     out = []
     for item in text.split(","):
         b, g, gv = item.strip().split(":")
-        hc = HeadConfig(int(b), int(g), int(gv))
-        Config(hc.bits, hc.G), Config(hc.bits, hc.Gv)  # noqa: B018 (validates both block formats)
+        kb, _, vb = b.partition("/")
+        hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv))
+        hc.k, hc.v  # noqa: B018 (validates both block formats)
         out.append(hc)
     return out
 
@@ -179,17 +187,36 @@ def render(e: jinja2.Environment, template: str, params: str, **kw: object) -> s
     return header(template, params) + e.get_template(template).render(**kw)
 
 
-def gen_ggml(out: Path, cfg: Config, G: int = 128) -> dict[str, str]:
+WIDTHS = tuple(PLANES)  # code widths of the ott cache types (ott2, ott3, ott4), on each side
+
+
+def build_heads(G: int, Gv: int) -> list[HeadConfig]:
+    """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on)."""
+    return [HeadConfig(kb, vb, G, Gv) for kb in WIDTHS for vb in WIDTHS]
+
+
+def heads_param(heads: list[HeadConfig]) -> str:
+    return "heads=" + ",".join(h.spec for h in heads)
+
+
+def render_cuda_ops(e: jinja2.Environment, heads: list[HeadConfig], mode: str) -> str:
+    """The CUDA ops of every head config in one translation unit (the prelude is guarded)."""
+    return header("ott_cuda_ops.j2", heads_param(heads) + f", mode={mode}") + "".join(
+        e.get_template("ott_cuda_ops.j2").render(hc=hc, mode=mode) for hc in heads
+    )
+
+
+def gen_ggml(out: Path, G: int, Gv: int) -> dict[str, str]:
     e = env()
-    hc = HeadConfig(cfg.bits, G, cfg.group)
-    ph = f"bits={hc.bits}, G={hc.G}, Gv={hc.Gv}"
+    heads = build_heads(G, Gv)
+    ph = heads_param(heads)
     return {
-        "ott2-head.h": render(e, "llama_head.h.j2", ph, hc=hc),
-        "ott2-head.c": render(e, "llama_head.c.j2", ph, hc=hc),
-        "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=[hc], modes=["cuda", "emu"], alias=hc),
-        "ott2-cuda-ops.cu": render(e, "ott_cuda_ops.j2", ph + ", mode=cuda", hc=hc, mode="cuda"),
+        "ott2-head.h": render(e, "llama_head.h.j2", ph, heads=heads),
+        "ott2-head.c": render(e, "llama_head.c.j2", ph, heads=heads),
+        "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=heads, modes=["cuda", "emu"], table=True),
+        "ott2-cuda-ops.cu": render_cuda_ops(e, heads, "cuda"),
         # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
-        "ott2-emu-ops.cpp": render(e, "ott_cuda_ops.j2", ph + ", mode=emu", hc=hc, mode="emu"),
+        "ott2-emu-ops.cpp": render_cuda_ops(e, heads, "emu"),
     }
 
 
@@ -197,8 +224,7 @@ def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch:
     e = env()
     isas = ISAS[arch]
     configs = with_head_formats(configs, heads)
-    p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs)
-    p += ", heads=" + ",".join(f"{h.bits}:{h.G}:{h.Gv}" for h in heads)
+    p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs) + ", " + heads_param(heads)
     kw = dict(configs=configs, heads=heads)
     files = {"ott-kernels.h": render(e, "kernels.h.j2", p, isas=isas, **kw)}
     for isa in isas:
@@ -210,15 +236,13 @@ def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch:
 def gen_cuda(out: Path, configs: list[Config], heads: list[HeadConfig]) -> dict[str, str]:
     e = env()
     p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs)
-    ph = "heads=" + ",".join(f"{h.bits}:{h.G}:{h.Gv}" for h in heads)
     files = {
         "ott-cuda-check.cu": render(e, "cuda_check.cu.j2", p, configs=configs),
-        "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=heads, modes=["cuda", "emu"]),
+        "ott2-cuda.h": render(e, "ott_cuda.h.j2", heads_param(heads), heads=heads, modes=["cuda", "emu"], table=False),
     }
     for hc in heads:
-        pc = f"bits={hc.bits}, G={hc.G}, Gv={hc.Gv}"
-        files[f"ott2-cuda-{hc.tag}.cu"] = render(e, "ott_cuda_ops.j2", pc + ", mode=cuda", hc=hc, mode="cuda")
-        files[f"ott2-emu-{hc.tag}.cpp"] = render(e, "ott_cuda_ops.j2", pc + ", mode=emu", hc=hc, mode="emu")
+        files[f"ott2-cuda-{hc.tag}.cu"] = render_cuda_ops(e, [hc], "cuda")
+        files[f"ott2-emu-{hc.tag}.cpp"] = render_cuda_ops(e, [hc], "emu")
     return files
 
 
@@ -226,14 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", choices=["ggml", "kernels", "cuda", "flags"])
     ap.add_argument("--out", type=Path, required=False)
-    ap.add_argument("--bits", type=int, default=2, help="ggml target: code width (default 2)")
     ap.add_argument("--group", type=int, default=64, help="ggml target: values per block = Gv (default 64)")
     ap.add_argument("--G", type=int, default=128, help="ggml target: tokens per sealed group (default 128)")
     ap.add_argument("--configs", default="2:32,2:64,2:128,3:64,4:64", help="kernels/cuda: bits:group list")
     ap.add_argument(
-        "--heads", default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64", help="kernels: bits:G:Gv per-head configs"
+        "--heads",
+        default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64",
+        help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
-    ap.add_argument("--cuda-heads", default="2:128:64,2:64:32,4:128:64", help="cuda: bits:G:Gv head configs")
+    ap.add_argument("--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64", help="cuda: K/V:G:Gv head configs")
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")
     args = ap.parse_args(argv)
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             ap.error("--out is required")
         if args.target == "ggml":
-            files = gen_ggml(args.out, Config(args.bits, args.group), args.G)
+            files = gen_ggml(args.out, args.G, args.group)
         elif args.target == "kernels":
             files = gen_kernels(args.out, parse_configs(args.configs), parse_heads(args.heads), args.arch)
         else:

@@ -33,7 +33,9 @@ class OttConfig:
     code width comes from the K/V type (ott2: 2 bits) and Gv from the build. The other fields are variants of the
     numpy reference (and of the fidelity study): bits, or k_bits/v_bits per side (None: bits); k_rotate/v_rotate:
     an orthonormal Hadamard transform over blocks of ROT_BLOCK channels before quantizing that side (scores for
-    outlier tracing stay on the unrotated keys; pooled and tail tokens are stored unrotated); mean "non_outlier"
+    outlier tracing stay on the unrotated keys; pooled and tail tokens are stored unrotated; V is rotated or not per
+    token and unit of max(Gv, ROT_BLOCK) channels, flagged in the sign bit of its fp16 scales, so v_rotate needs Gv
+    to be 32 or a multiple of ROT_BLOCK: see reference.quantize_values); mean "non_outlier"
     (the spec's decision) or "all" (the paper's wording) for the placeholder value; identity switches
     quantization off (x_hat = x), so that the output must equal dense attention. outlier_num = 0 is the KIVI
     baseline ("kivi2").
@@ -71,6 +73,9 @@ class OttConfig:
             group = getattr(self, name)
             if group == 0 or group % 32 != 0 or group > 256:
                 raise ValueError(f"ott_config.{name} must be a multiple of 32 in [32, 256], got {group}")
+        if self.v_rotate and self.Gv % ROT_BLOCK and ROT_BLOCK % self.Gv:
+            # a rotation unit, max(Gv, ROT_BLOCK) channels, must hold whole Hadamard blocks and whole V blocks
+            raise ValueError(f"ott_config.v_rotate needs Gv to be 32 or a multiple of {ROT_BLOCK}, got {self.Gv}")
         if self.outlier_num >= self.G:
             # a group must keep at least one non-outlier token to define the placeholder mean
             raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")

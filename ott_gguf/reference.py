@@ -32,6 +32,9 @@ Semantics chosen where the spec is silent (documented again on the methods):
 - Pools are kept sorted by position: a canonical order, so native slot arrays compare after sorting by position.
 - Under the identity quantizer a sealed group stores zero codes, scales and mins, and k_hat/v_hat are its fp16
   values (placeholders included, which are never served).
+- Rotation (the k_rotate/v_rotate variants): hadamard_rotate; keys fall back to unrotated per group and side
+  (quantize_keys), values per token and unit of max(Gv, ROT_BLOCK) channels, flagged in the sign bit of the fp16 V
+  scale (quantize_values, dequantize_values).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_types import ROT_BLOCK, OttConfig
-from .quantizer import BlockFormat, Quantized, dequantize, quantize
+from .quantizer import Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
 
@@ -94,15 +97,20 @@ class SealedGroup:
     k_scale: np.ndarray  # (D,) float16, per channel
     k_min: np.ndarray  # (D,) float16
     v_codes: np.ndarray  # (G, D) uint8: token t, channel c
-    v_scale: np.ndarray  # (G, D // Gv) float16, per (token, Gv channels)
+    v_scale: np.ndarray  # (G, D // Gv) float16, per (token, Gv channels); sign bit: rotated (see v_rotated)
     v_min: np.ndarray  # (G, D // Gv) float16
     placeholders: np.ndarray  # (n,) int64: positions that won at sealing (served from the pools forever)
     k_hat: np.ndarray  # (G, D) float32: what the codes decode to (derived; the input itself if identity)
     v_hat: np.ndarray  # (G, D) float32
-    # whether each side's codes are of the rotated values (config.k_rotate/v_rotate, unless the rotated group would
-    # not fit the fp16 scale and min: see rotated_or_plain)
+    # whether the key codes are of the rotated keys (config.k_rotate, unless the rotated group would not fit the
+    # fp16 scale and min: see quantize_keys)
     k_rotated: bool = False
-    v_rotated: bool = False
+
+    @property
+    def v_rotated(self) -> np.ndarray:
+        """(G, D // Gv) bool: whether each V block's codes are of rotated values, i.e. the sign bit of its stored
+        scale (see quantize_values)."""
+        return np.signbit(self.v_scale)
 
 
 @dataclass
@@ -205,55 +213,89 @@ def hadamard_rotate(x: np.ndarray) -> np.ndarray:
     return (y * np.float32(1.0 / math.sqrt(ROT_BLOCK))).reshape(x.shape).astype(np.float32)
 
 
-def rotated_or_plain(
-    x: np.ndarray, rotate: bool, fmt: BlockFormat, *, transpose: bool = False
-) -> tuple[Quantized, bool]:
-    """Quantize x (rows are quantizer groups) in the rotated basis when asked and when it fits: a rotated value
-    can be up to 8x the largest input (all 64 channels of a block aligned), so a group of fp16 values beyond
-    65504/8 can get a scale or min that fp16 cannot hold. Such a group is quantized unrotated instead, and says so
-    (one flag per sealed group and side), so that no stored scale or min is ever infinite. transpose: the columns
-    of x are the groups (keys: a channel over the group's tokens); the rotation is always along the channels."""
-    if rotate:
-        xr = hadamard_rotate(x)
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
-            q = quantize(xr.T if transpose else xr, fmt)
-        if np.isfinite(q.d).all() and np.isfinite(q.m).all():
-            return q, True
-    return quantize(x.T if transpose else x, fmt), False
+def v_rotation_unit(config: OttConfig) -> int:
+    """U = max(Gv, ROT_BLOCK): the channels of one token that v_rotate stores rotated or not together."""
+    return max(config.Gv, ROT_BLOCK)
+
+
+def check_v_rotation(config: OttConfig, head_dim: int) -> None:
+    """v_rotate needs whole rotation units: the head dim must be a multiple of U = max(Gv, ROT_BLOCK)."""
+    U = v_rotation_unit(config)
+    if config.v_rotate and head_dim % U:
+        raise ValueError(f"v_rotate needs the head dim to be a multiple of max(Gv, {ROT_BLOCK}) = {U}, got {head_dim}")
 
 
 def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32, rotated.
 
-    k_rotate: the channels quantized are those of the rotated keys; k_hat is rotated back."""
+    k_rotate: the channels quantized are those of the rotated keys and k_hat is rotated back, unless a scale or
+    min of the rotated group would not fit fp16 (a rotated value can reach 8x the largest input, beyond fp16 for
+    inputs above 65504/8): then the whole group is quantized unrotated, and `rotated` (one flag per group) says so.
+    """
     k = np.asarray(k, dtype=np.float32)
     G, D = k.shape
     if config.identity:
         z = np.zeros(D, np.float16)
         return np.zeros((D, G), np.uint8), z, z.copy(), k.copy(), False
     # transposed: the G tokens of a channel form one group, codes (D, 1, G), d and m (D, 1)
-    q, rotated = rotated_or_plain(k, config.k_rotate, config.k_format, transpose=True)
-    k_hat = dequantize(q).T.copy()
-    if rotated:
-        k_hat = hadamard_rotate(k_hat)
-    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat, rotated
+    if config.k_rotate:
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
+            q = quantize(hadamard_rotate(k).T, config.k_format)
+        if np.isfinite(q.d).all() and np.isfinite(q.m).all():
+            k_hat = hadamard_rotate(dequantize(q).T)
+            return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat, True
+    q = quantize(k.T, config.k_format)
+    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), dequantize(q).T.copy(), False
 
 
-def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32,
-    rotated.
+_SIGN16 = np.uint16(0x8000)  # the sign bit of an fp16
 
-    v_rotate: the rows quantized are the rotated values; v_hat is rotated back (a kernel undoes the rotation once
-    per output row: sum_j p_j rot(v_j) rotated back equals sum_j p_j v_j)."""
+
+def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Token-wise: v (G, D) -> codes (G, D) uint8, scale (G, D/Gv) fp16, min (G, D/Gv) fp16, v_hat (G, D) fp32.
+
+    v_rotate: every unit of U = max(Gv, ROT_BLOCK) channels of a token (channels [u*U, (u+1)*U) of row t) is
+    quantized from its rotated values (hadamard_rotate of the row, which rotates each ROT_BLOCK block) if every one
+    of its Gv blocks then gets a finite fp16 scale and min, else from its unrotated values (a rotated value can
+    reach 8x the largest input, beyond fp16 for inputs above 65504/8). Units are decided independently.
+    The flag is the sign bit of the stored fp16 scale: every block of a rotated unit stores its scale negated (sign
+    bit set, a zero scale as -0.0), every other block its scale as is. Scales are >= 0 by construction ((max -
+    min)/nlev), so that bit is otherwise always 0: a kernel stores the flag in it for free and the block format does
+    not grow. Without v_rotate every sign bit is clear. Decoding: dequantize_values.
+    """
     v = np.asarray(v, dtype=np.float32)
     G, D = v.shape
     nv = D // config.Gv
     if config.identity:
         z = np.zeros((G, nv), np.float16)
-        return np.zeros((G, D), np.uint8), z, z.copy(), v.copy(), False
-    q, rotated = rotated_or_plain(v, config.v_rotate, config.v_format)  # codes (G, nv, Gv), d, m (G, nv)
-    v_hat = dequantize(q)
-    return q.codes.reshape(G, D), q.d, q.m, hadamard_rotate(v_hat) if rotated else v_hat, rotated
+        return np.zeros((G, D), np.uint8), z, z.copy(), v.copy()
+    q = quantize(v, config.v_format)  # codes (G, nv, Gv), d, m (G, nv)
+    codes, d, m = q.codes, q.d, q.m
+    if config.v_rotate:
+        check_v_rotation(config, D)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
+            qr = quantize(hadamard_rotate(v), config.v_format)
+        per = v_rotation_unit(config) // config.Gv  # Gv blocks per unit
+        fits = (np.isfinite(qr.d) & np.isfinite(qr.m)).reshape(G, nv // per, per).all(axis=2)
+        rot = np.repeat(fits, per, axis=1)  # (G, nv): each block carries its unit's flag
+        codes = np.where(rot[..., None], qr.codes, codes)
+        m = np.where(rot, qr.m, m)
+        d = (np.where(rot, qr.d, d).view(np.uint16) | np.where(rot, _SIGN16, np.uint16(0))).view(np.float16)
+    codes = codes.reshape(G, D)
+    return codes, d, m, dequantize_values(codes, d, m, config)
+
+
+def dequantize_values(codes: np.ndarray, scale: np.ndarray, mn: np.ndarray, config: OttConfig) -> np.ndarray:
+    """V_hat (G, D) fp32 from stored V codes (G, D), scales and mins (G, D/Gv): x = m + |d| * code per block (the
+    magnitude of the stored scale, as quantizer.dequantize), then the units whose scale has its sign bit set are
+    rotated back (hadamard_rotate is its own inverse). A kernel can accumulate sum_j p_j x_j over the rotated and
+    the unrotated units apart and rotate the rotated sum back once per output row (the rotation is linear).
+    """
+    G, D = codes.shape
+    q = Quantized(codes=codes.reshape(G, D // config.Gv, config.Gv), d=np.abs(scale), m=mn)
+    x = dequantize(q)
+    rot = np.repeat(np.signbit(scale), config.Gv, axis=1)  # (G, D): per channel, its unit's flag
+    return np.where(rot, hadamard_rotate(x), x) if rot.any() else x
 
 
 def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -262,13 +304,10 @@ def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.
         return g.k_hat.copy(), g.v_hat.copy()
     D, G = g.k_codes.shape
     kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
-    vq = Quantized(codes=g.v_codes.reshape(G, D // config.Gv, config.Gv), d=g.v_scale, m=g.v_min)
-    k_hat, v_hat = dequantize(kq).T.copy(), dequantize(vq)
+    k_hat = dequantize(kq).T.copy()
     if g.k_rotated:
         k_hat = hadamard_rotate(k_hat)
-    if g.v_rotated:
-        v_hat = hadamard_rotate(v_hat)
-    return k_hat, v_hat
+    return k_hat, dequantize_values(g.v_codes, g.v_scale, g.v_min, config)
 
 
 def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
@@ -310,7 +349,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
 
     # 5. quantize and drop the group from the tail
     k_codes, k_scale, k_min, k_hat, k_rotated = quantize_keys(gk, config)
-    v_codes, v_scale, v_min, v_hat, v_rotated = quantize_values(gv, config)
+    v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(
             index=index,
@@ -324,7 +363,6 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             k_hat=k_hat,
             v_hat=v_hat,
             k_rotated=k_rotated,
-            v_rotated=v_rotated,
         )
     )
     state.tail_pos = state.tail_pos[G:]
@@ -414,6 +452,7 @@ class OttCache:
     def __init__(self, config: OttConfig, n_layer: int, n_kv_head: int, head_dim: int) -> None:
         if head_dim % config.Gv:
             raise ValueError(f"Gv ({config.Gv}) must divide head_dim ({head_dim})")
+        check_v_rotation(config, head_dim)
         if n_layer <= 0 or n_kv_head <= 0:
             raise ValueError("n_layer and n_kv_head must be positive")
         self.config = config

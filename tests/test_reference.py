@@ -21,6 +21,7 @@ from ott_gguf.reference import (
     OttCache,
     OttConfig,
     attend,
+    dequantize_group,
     effective_bits,
     hadamard_rotate,
     memory_bits,
@@ -136,16 +137,29 @@ def served_from_fields(s: HeadState, cfg: OttConfig) -> tuple[np.ndarray, np.nda
             k[sl], v[sl] = g.k_hat, g.v_hat
         else:
             kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
-            vq = Quantized(codes=g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), d=g.v_scale, m=g.v_min)
-            kh, vh = dequantize(kq).T, dequantize(vq)
-            k[sl] = hadamard_rotate(kh) if g.k_rotated else kh
-            v[sl] = hadamard_rotate(vh) if g.v_rotated else vh
+            k[sl] = hadamard_rotate(dequantize(kq).T) if g.k_rotated else dequantize(kq).T
+            v[sl] = decode_values(g.v_codes, g.v_scale, g.v_min, cfg)
     for p in (s.pool, s.aux):
         k[p.pos] = p.k
         v[p.pos] = p.v
     k[s.n_sealed * G :] = s.tail_k
     v[s.n_sealed * G :] = s.tail_v
     return k, v
+
+
+def decode_values(codes: np.ndarray, scale: np.ndarray, mn: np.ndarray, cfg: OttConfig) -> np.ndarray:
+    """V (G, D) from stored blocks, unit by unit: m + |d| * code, rotated back where the scale's sign bit is set
+    (the same on every block of a unit of max(Gv, 64) channels)."""
+    G, D = codes.shape
+    U, per = max(cfg.Gv, 64), max(cfg.Gv, 64) // cfg.Gv
+    vh = dequantize(Quantized(codes=codes.reshape(G, D // cfg.Gv, cfg.Gv), d=np.abs(scale), m=mn))
+    flags = np.signbit(scale).reshape(G, D // U, per)
+    assert (flags == flags[..., :1]).all()  # one flag per unit
+    for t in range(G):
+        for u in range(D // U):
+            if flags[t, u, 0]:
+                vh[t, u * U : (u + 1) * U] = hadamard_rotate(vh[t, u * U : (u + 1) * U])
+    return vh
 
 
 # ---------------------------------------------------------------------------- plain-Python model of the pools
@@ -225,7 +239,8 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
             assert np.array_equal(g.k_hat, xk.astype(np.float32)) and np.array_equal(g.v_hat, xv.astype(np.float32))
             continue
         # per-side widths; a rotated side is quantized in the rotated basis (scores above stay on the raw keys),
-        # unless that gives a scale or min beyond fp16: then unrotated, and the group says so
+        # unless that gives a scale or min beyond fp16: then unrotated, keys per group (g.k_rotated), values per
+        # token and unit of max(Gv, 64) channels, the flag in the sign bit of the V scales (negated when rotated)
         xk32, xv32 = xk.astype(np.float32), xv.astype(np.float32)
 
         def fits(q: Quantized) -> bool:
@@ -236,13 +251,24 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         with np.errstate(over="ignore", invalid="ignore"):  # a rotated group may overflow fp16: the fallback
             rk = quantize(hadamard_rotate(xk32).T, BlockFormat(cfg.kbits, G))
             rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv))
-        assert g.k_rotated == (cfg.k_rotate and fits(rk)) and g.v_rotated == (cfg.v_rotate and fits(rv))
-        qk, qv = (rk if g.k_rotated else qk), (rv if g.v_rotated else qv)
+        assert g.k_rotated == (cfg.k_rotate and fits(rk))
+        qk = rk if g.k_rotated else qk
+        per = max(cfg.Gv, 64) // cfg.Gv  # V blocks per rotation unit
+        rot = np.zeros(qv.d.shape, bool)
+        for t in range(G):
+            for b in range(0, rot.shape[1], per):
+                unit = Quantized(codes=rv.codes[t, b : b + per], d=rv.d[t, b : b + per], m=rv.m[t, b : b + per])
+                rot[t, b : b + per] = cfg.v_rotate and fits(unit)
+        assert np.array_equal(g.v_rotated, rot) and np.array_equal(np.signbit(g.v_scale), rot)
         assert np.array_equal(g.k_codes, qk.codes[:, 0, :])
         assert f16_equal(g.k_scale, qk.d[:, 0]) and f16_equal(g.k_min, qk.m[:, 0])
-        assert np.array_equal(g.v_codes, qv.codes.reshape(G, -1))
-        assert f16_equal(g.v_scale, qv.d) and f16_equal(g.v_min, qv.m)
+        assert np.array_equal(g.v_codes, np.where(rot[..., None], rv.codes, qv.codes).reshape(G, -1))
+        assert f16_equal(g.v_scale, np.where(rot, -rv.d, qv.d)) and f16_equal(g.v_min, np.where(rot, rv.m, qv.m))
         assert np.isfinite(g.k_hat).all() and np.isfinite(g.v_hat).all()
+        # the cached k_hat/v_hat are exactly what the stored fields decode to
+        k_dec, v_dec = dequantize_group(g, cfg)
+        assert np.array_equal(g.k_hat, k_dec) and np.array_equal(g.v_hat, v_dec)
+        assert np.array_equal(g.v_hat, decode_values(g.v_codes, g.v_scale, g.v_min, cfg))
 
 
 configs = st.builds(
@@ -271,12 +297,15 @@ configs = st.builds(
     n=st.integers(1, 300),
     cuts=st.lists(st.integers(1, 299), max_size=5),
     kind=st.sampled_from(KINDS),
+    D=st.sampled_from([64, 128]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_state_matches_model_and_invariants(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
+def test_state_matches_model_and_invariants(
+    cfg: OttConfig, n: int, cuts: list[int], kind: str, D: int, seed: int
+) -> None:
     """Sealed codes, pools, aux pool, placeholders and tracing equal the naive replay for any data and split."""
     rng = np.random.default_rng(seed)
-    H, D = 2, 64
+    H = 2
     k, v = make_kv(rng, n, H, D, kind)
     cache = OttCache(cfg, 1, H, D)
     run(cache, 0, 0, None, k, v, cuts)
@@ -878,8 +907,10 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
 
 
 def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
-    """fp16 values beyond 65504/8 can rotate to a scale or min fp16 cannot hold: that group is quantized
-    unrotated (its flag says so) and nothing stored is ever infinite; an ordinary group is rotated."""
+    """fp16 values beyond 65504/8 can rotate to a scale or min fp16 cannot hold: such a key group is quantized
+    unrotated (k_rotated False), and so is every V unit of it (scale sign bits clear), even the Gv block that alone
+    would fit (Gv = 32: two blocks per 64-channel unit); nothing stored is ever infinite; an ordinary group is
+    rotated."""
     cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True)
     rng = np.random.default_rng(5)
     k, v = make_kv(rng, 64, 1, 64, "normal")
@@ -888,9 +919,83 @@ def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
     cache = OttCache(cfg, 1, 1, 64)
     run(cache, 0, 0, None, k, v, [])
     s = cache.state(0, 0, 0)
-    assert [(g.k_rotated, g.v_rotated) for g in s.groups] == [(True, True), (False, False)]
+    assert [(g.k_rotated, g.v_rotated.shape) for g in s.groups] == [(True, (32, 2)), (False, (32, 2))]
+    assert s.groups[0].v_rotated.all() and not s.groups[1].v_rotated.any()
     for g in s.groups:
         assert np.isfinite(g.k_scale).all() and np.isfinite(g.v_min).all() and np.isfinite(g.v_hat).all()
+    check_against_model(s, cfg, 0, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
+
+
+@pytest.mark.parametrize("Gv", [32, 64, 128])
+def test_v_rotation_is_decided_per_token_and_unit(Gv: int) -> None:
+    """One token with 30000 in the 64 channels of block 0 (rotated: 8 x 30000 in one channel, beyond fp16): only
+    that token's unit of max(Gv, 64) channels is stored unrotated (scale sign bits clear), every other unit rotated
+    (sign bits set); decoding (|d|, then the rotated units rotated back) is close to the input."""
+    cfg = OttConfig(G=32, R=0, Gv=Gv, outlier_num=0, no_outlier_layers=0, bits=2, v_rotate=True)
+    rng = np.random.default_rng(11)
+    D, U = 128, max(Gv, 64)
+    k, v = make_kv(rng, 32, 1, D, "normal")
+    v[5, 0, :64] = 30000.0
+    cache = OttCache(cfg, 1, 1, D)
+    run(cache, 0, 0, None, k, v, [])
+    s = cache.state(0, 0, 0)
+    (g,) = s.groups
+    want = np.ones((32, D // Gv), bool)
+    want[5, : U // Gv] = False  # the blocks of token 5's first unit
+    assert np.array_equal(np.signbit(g.v_scale), want) and np.array_equal(g.v_rotated, want)
+    assert np.isfinite(g.v_scale).all() and np.isfinite(g.v_min).all()
+    check_against_model(s, cfg, 0, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
+    v16 = v[:, 0].astype(np.float16).astype(np.float32)
+    _, v_dec = dequantize_group(g, cfg)
+    assert np.array_equal(v_dec, g.v_hat)
+    rel = np.linalg.norm(g.v_hat - v16, axis=1) / np.linalg.norm(v16, axis=1)
+    assert rel.max() < 0.6, rel  # 2-bit codes
+    assert rel[5] < 0.01, rel[5]  # dominated by the 30000s, which no rotation smeared
+    if Gv <= 64:
+        np.testing.assert_array_equal(g.v_hat[5, :64], 30000.0)  # an unrotated zero-range block: exact
+        rel5 = np.linalg.norm(g.v_hat[5, U:] - v16[5, U:]) / np.linalg.norm(v16[5, U:])
+        assert rel5 < 0.6, rel5  # token 5's other unit: rotated, ordinary
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_v_rotate_every_v_scale_sign_bit_is_clear(kind: str) -> None:
+    """Without v_rotate (rotated keys or not) V is stored as ever: no scale has its sign bit set."""
+    rng = np.random.default_rng(7)
+    k, v = make_kv(rng, 200, 2, 128, kind)
+    for cfg in (OttConfig(G=32, R=8, Gv=32, no_outlier_layers=0), OttConfig(G=32, R=8, Gv=64, k_rotate=True)):
+        cache = OttCache(cfg, 1, 2, 128)
+        run(cache, 0, 0, None, k, v, [70])
+        for h in range(2):
+            s = cache.state(0, 0, h)
+            assert s.n_sealed == 6
+            for g in s.groups:
+                assert not np.signbit(g.v_scale).any() and not g.v_rotated.any()
+            on = cfg.outliers_for_layer(0)
+            check_against_model(s, cfg, on, k[:, h].astype(np.float16), v[:, h].astype(np.float16))
+
+
+def test_a_zero_range_rotated_block_keeps_its_flag() -> None:
+    """A rotated unit whose rotated values are all equal gets scale 0, stored as -0.0 (the flag), and decodes
+    exactly: a zero token, and a token 8c, 0, ..., 0 per 64 channels (rotated: c in every channel)."""
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, v_rotate=True)
+    rng = np.random.default_rng(2)
+    k, v = make_kv(rng, 32, 1, 128, "normal")
+    v[3] = 0.0
+    v[9] = 0.0
+    v[9, 0, ::64] = 12.0  # rotated: 1.5 in every channel of both blocks of 64
+    cache = OttCache(cfg, 1, 1, 128)
+    run(cache, 0, 0, None, k, v, [])
+    s = cache.state(0, 0, 0)
+    (g,) = s.groups
+    for t in (3, 9):
+        assert (g.v_scale[t].view(np.uint16) == 0x8000).all()  # -0.0: zero scale, flag set
+        assert g.v_rotated[t].all() and (g.v_codes[t] == 0).all()
+    assert (g.v_min[9] == 1.5).all() and (g.v_min[3] == 0).all()
+    assert g.v_rotated.all()
+    _, v_dec = dequantize_group(g, cfg)
+    for t in (3, 9):
+        np.testing.assert_array_equal(g.v_hat[t], v[t, 0])
+        np.testing.assert_array_equal(v_dec[t], v[t, 0])
     check_against_model(s, cfg, 0, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
 
 
@@ -926,6 +1031,11 @@ def test_config_and_input_validation() -> None:
         OttConfig(k_bits=5)
     with pytest.raises(ValueError, match="v_rotate must be a bool"):
         OttConfig(v_rotate=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="v_rotate needs Gv to be 32 or a multiple of 64"):
+        OttConfig(Gv=96, v_rotate=True)
+    OttConfig(Gv=96), OttConfig(Gv=192, v_rotate=True)  # fine
+    with pytest.raises(ValueError, match=r"v_rotate needs the head dim to be a multiple of max\(Gv, 64\) = 64"):
+        OttCache(OttConfig(Gv=32, v_rotate=True), 1, 1, 96)
     assert OttConfig(bits=3).kbits == OttConfig(bits=3).vbits == 3
     assert (OttConfig(bits=3, v_bits=2).kbits, OttConfig(bits=3, v_bits=2).vbits) == (3, 2)
     with pytest.raises(NotImplementedError, match="unrotated keys"):

@@ -1,5 +1,5 @@
 // ott-gguf: CPU implementations of the ott2 cache's ops (ggml-ott.h), around the generated per-head kernels
-// (ott2-head.c, compiled into ggml-cpu with its ISA flags). Work units and arithmetic: docs/design-ott2-cache.md.
+// (ott2-head.c, compiled into ggml-cpu with its ISA flags; one set per K/V width pair, found by ott_head_find). Work units and arithmetic: docs/design-ott2-cache.md.
 #include "ggml-cpu-ott.h"
 #include "ggml-ott.h"
 #include "ggml-cpu-impl.h"
@@ -58,8 +58,9 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
     const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
     const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
-    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
-    GGML_ASSERT(G == OTT2_HEAD_G && p.Gv == OTT2_HEAD_GV);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits);
+    GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
+    const size_t kbytes = (size_t) D*hk->kb, vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
     thread_local std::vector<float> scratch, qb, acc, M, L;
     thread_local std::vector<int32_t> qpos, cj;
@@ -102,9 +103,9 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
                         cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
                     }
                 }
-                ott2_head_attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
-                                     v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
-                                     M.data(), L.data(), acc.data(), scratch.data());
+                hk->attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
+                               v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
+                               p.v_rotate, M.data(), L.data(), acc.data(), scratch.data());
             }
         } else {
             // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
@@ -122,7 +123,7 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
             }
             for (int64_t j0 = 0; j0 < n_tail; j0 += G) {
                 const int n_t = (int) std::min<int64_t>(G, n_tail - j0);
-                ott2_head_attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, lo + (int32_t) j0,
+                hk->attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, lo + (int32_t) j0,
                                     &tk[(size_t) j0*D], &tv[(size_t) j0*D], (int) D, M.data(), L.data(), acc.data(),
                                     scratch.data());
             }
@@ -136,7 +137,8 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
     }
 }
 
-// out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row
+// out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row; with
+// rotated V the NS sealed states are in the rotated basis: their sum is turned back once, before the tail's state
 void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
     const ggml_ott_params & p = *(const ggml_ott_params *) dst->op_params;
     const ggml_tensor * part = dst->src[0];
@@ -162,6 +164,9 @@ void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
         }
         float l = 0.0f;
         for (int64_t k = 0; k < NS1; ++k) {
+            if (p.v_rotate && k == NS1 - 1) {
+                ott_head_unrotate((int) D, out);
+            }
             const float * st = state(k);
             if (st[D + 1] <= 0.0f) {
                 continue; // an empty slice
@@ -185,8 +190,9 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     int32_t * flags = (int32_t *) dst->src[9]->data;
     const ott_views v = views_of(dst, p);
     const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
-    const size_t kbytes = (size_t) D*OTT2_HEAD_KB, vbytes = (size_t) G*(D/p.Gv)*OTT2_HEAD_VB;
-    GGML_ASSERT(G == OTT2_HEAD_G && p.Gv == OTT2_HEAD_GV);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits);
+    GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
+    const size_t kbytes = (size_t) D*hk->kb, vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
     for (int64_t u = ith; u < v.ns*p.H; u += nth) {
         const int64_t si = u / p.H;
@@ -209,10 +215,10 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
                 }
             }
             int n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1], tracing = meta[2*p.S + 2];
-            ott2_head_seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
-                           slots, pool, pool + (size_t) p.S*D, &n_pool,
-                           slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
-                           v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
+            hk->seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
+                     slots, pool, pool + (size_t) p.S*D, &n_pool,
+                     slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
+                     p.v_rotate, v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
             meta[2*p.S] = n_pool;
             meta[2*p.S + 1] = n_aux;
             meta[2*p.S + 2] = tracing;

@@ -10,10 +10,12 @@
 extern "C" {
 #endif
 
-// the op parameters (op_params, 13 x 4 bytes)
+// the op parameters (op_params, 16 x 4 bytes: GGML_MAX_OP_PARAMS)
 struct ggml_ott_params {
     int32_t D, H, n_head, G, Gv, T, S, NG, n_stream, outlier_num, aux_cap, NS;
     float   scale;
+    int32_t kbits, vbits; // code widths of K and V
+    int32_t v_rotate;     // 1: V is stored rotated (sealed partials are in the rotated basis until the merge)
 };
 
 // attention partials: an online-softmax state (acc [D], M, L) per query row and unit

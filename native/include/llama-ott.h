@@ -1,8 +1,9 @@
 // ott-gguf additions to the llama.cpp C API (bound from Python with ctypes in ott_gguf/_lib.py).
 //
-// The ott caches are chosen like any K/V cache type: llama_context_params.type_k/type_v set to one of the ggml
-// type ids that llama_ott_kv_types lists (ott2; kivi2 = the same cache without outlier tokens). Those ids only
-// select the cache: no tensor ever has such a type. Their parameters travel in a llama_ott_config given per
+// The ott caches are chosen like any K/V cache type: llama_context_params.type_k/type_v set to ggml type ids that
+// llama_ott_kv_types lists: ott2, ott3, ott4 (2, 3 or 4 bits per code), kivi2..kivi4 (the same caches without
+// outlier tokens). Each side has its own width (type_k = ott3, type_v = ott2: 3-bit keys, 2-bit values); both
+// sides must be ott types, or both kivi types. Those ids only select the cache: no tensor ever has such a type. Their parameters travel in a llama_ott_config given per
 // context (llama_ott_init_from_model); a context keeps the configuration it was created with.
 #pragma once
 
@@ -12,7 +13,7 @@
 extern "C" {
 #endif
 
-// Parameters of an ott cache (spec/ott2-algorithm.md); the code width comes from the K/V type (ott2: 2 bits),
+// Parameters of an ott cache (spec/ott2-algorithm.md); the code widths come from the K/V types (ott3: 3 bits),
 // the values per V block (Gv) from the build.
 struct llama_ott_config {
     int32_t G;                 // tokens per sealed group; must equal the build's (128)
@@ -20,9 +21,10 @@ struct llama_ott_config {
     int32_t outlier_num;       // outlier pool capacity per (sequence, layer, KV head); kivi types use 0
     int32_t aux_cap;           // aux pool capacity per (sequence, layer, KV head)
     int32_t no_outlier_layers; // the first N layers have no outlier pool
+    int32_t v_rotate;          // 1: V is quantized from its Hadamard-rotated values (blocks of 64 channels), 0: not
 };
 
-// The spec's defaults: 128, 32, 3, 32, 2.
+// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated).
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 
 // Whether this build's caches accept cfg; when not, reason (if given) receives why, naming the field and the

@@ -11,7 +11,7 @@
 // ------------------------------------------------------------------------------ sliding-window composite
 
 llama_kv_cache_ott_iswa::llama_kv_cache_ott_iswa(const llama_model & model, const llama_cparams & cparams,
-                                                 const llama_ott_kv_type & kv_type, const llama_ott_config & cfg) {
+                                                 const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg) {
     const llama_hparams & hparams = model.hparams;
     kv_ott = std::make_unique<llama_kv_cache_ott>(model, cparams, kv_type, cfg,
                                                   [&](int32_t il) { return !hparams.is_swa(il); });

@@ -76,7 +76,7 @@ void llama_kv_cache_ott::unseal(uint32_t s, llama_pos p0) {
         for (int32_t h = 0; h < L.op.H; ++h) {
             ggml_backend_tensor_get(L.sealed_k, skb.data(), h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*L.sealed_k->nb[1], skb.size());
             ggml_backend_tensor_get(L.sealed_v, svb.data(), h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3] + g*L.sealed_v->nb[1], svb.size());
-            ott2_head_unseal((int) D, skb.data(), svb.data(), n_keep, k.data(), v.data());
+            hk->unseal((int) D, skb.data(), svb.data(), n_keep, k.data(), v.data());
             const size_t meta_off = h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2];
             const size_t pool_off = (h + L.op.H*s)*L.pool_kv->nb[3];
             ggml_backend_tensor_get(L.pool_meta, meta.data(), meta_off, meta.size()*sizeof(int32_t));

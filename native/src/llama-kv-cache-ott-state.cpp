@@ -33,7 +33,10 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
 // refused before anything is applied). Body: per-layer shapes, then per stream its counters and the used parts
 // of every tensor.
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
-static const uint32_t OTT_STATE_VERSION = 3; // 2: only the used ring rows and pool slots; 3: length and checksum
+// 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header
+static const uint32_t OTT_STATE_VERSION = 4;
+static const int      OTT_STATE_HDR     = 12; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+                                              // n_layer, K bits, V bits, v_rotate
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -86,9 +89,11 @@ private:
 
 void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     GGML_UNUSED(flags);
-    const uint32_t hdr[9] = { OTT_STATE_MAGIC, OTT_STATE_VERSION, (uint32_t) cfg.G, (uint32_t) cfg.R, OTT2_HEAD_GV,
-                              (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap, (uint32_t) cfg.no_outlier_layers,
-                              (uint32_t) layers.size() };
+    const uint32_t hdr[OTT_STATE_HDR] = { OTT_STATE_MAGIC, OTT_STATE_VERSION, (uint32_t) cfg.G, (uint32_t) cfg.R,
+                                          (uint32_t) hk->Gv, (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
+                                          (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
+                                          (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
+                                          (uint32_t) cfg.v_rotate };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -148,8 +153,8 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
     GGML_UNUSED(flags);
     llama_ott_record_error("");
     try {
-        uint32_t hdr[9];
-        io.read(hdr, sizeof(hdr));
+        uint32_t hdr[OTT_STATE_HDR];
+        io.read(hdr, 2*sizeof(uint32_t)); // magic and version first: an older header is shorter
         if (hdr[0] != OTT_STATE_MAGIC) {
             throw std::runtime_error(std::string(kv_type.name) +
                                      ": this state was not saved from an ott cache (another K/V cache type?)");
@@ -159,11 +164,15 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                      std::to_string(hdr[1]) + " (an earlier ott-gguf); this build reads version " +
                                      std::to_string(OTT_STATE_VERSION) + ": save it again with this build");
         }
-        const uint32_t mine[7] = { (uint32_t) cfg.G, (uint32_t) cfg.R, OTT2_HEAD_GV, (uint32_t) cfg.outlier_num,
-                                   (uint32_t) cfg.aux_cap, (uint32_t) cfg.no_outlier_layers,
-                                   (uint32_t) layers.size() };
-        const char * names[7] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers", "n_layer" };
-        for (int i = 0; i < 7; ++i) {
+        io.read(hdr + 2, sizeof(hdr) - 2*sizeof(uint32_t));
+        const uint32_t mine[OTT_STATE_HDR - 2] = { (uint32_t) cfg.G, (uint32_t) cfg.R, (uint32_t) hk->Gv,
+                                                   (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
+                                                   (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
+                                                   (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
+                                                   (uint32_t) cfg.v_rotate };
+        const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
+                                                  "n_layer", "K bits", "V bits", "v_rotate" };
+        for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
                                          "configuration: " + names[i] + "=" + std::to_string(hdr[2 + i]) +

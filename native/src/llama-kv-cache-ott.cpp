@@ -17,7 +17,7 @@
 // ------------------------------------------------------------------------------------------- construction
 
 // a kivi type's cache has no outliers, whatever the configuration says: resolved here, once
-static llama_ott_config ott_effective_config(const llama_ott_kv_type & kv_type, llama_ott_config cfg) {
+static llama_ott_config ott_effective_config(const llama_ott_kv_pair & kv_type, llama_ott_config cfg) {
     if (!kv_type.outliers) {
         cfg.outlier_num = 0;
     }
@@ -25,15 +25,16 @@ static llama_ott_config ott_effective_config(const llama_ott_kv_type & kv_type, 
 }
 
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams,
-                                       const llama_ott_kv_type & kv_type, const llama_ott_config & cfg_in,
+                                       const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg_in,
                                        const layer_filter_cb & filter) :
-    kv_type(kv_type), cfg(ott_effective_config(kv_type, cfg_in)), n_stream(cparams.n_seq_max),
+    kv_type(kv_type), hk(ott_head_find(kv_type.kbits, kv_type.vbits)), cfg(ott_effective_config(kv_type, cfg_in)),
+    n_stream(cparams.n_seq_max),
     // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
     n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
-    GGML_ASSERT(kv_type.bits == OTT2_HEAD_BITS && cfg.G == OTT2_HEAD_G);
+    GGML_ASSERT(hk && cfg.G == hk->G);
     const llama_hparams & hparams = model.hparams;
     const uint32_t n_layer = hparams.n_layer();
-    const int32_t G = cfg.G, Gv = OTT2_HEAD_GV, T = cfg.R + cfg.G;
+    const int32_t G = cfg.G, Gv = hk->Gv, T = cfg.R + cfg.G;
     const int32_t S = std::max<int32_t>(1, cfg.outlier_num + cfg.aux_cap);
     const int32_t NG = ((int32_t) n_ctx_seq + G - 1) / G;
 
@@ -85,8 +86,8 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         ott_layer L;
         L.il = il;
         L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
-        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*OTT2_HEAD_KB, NG, H, n_stream);
-        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*OTT2_HEAD_VB, NG, H, n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*hk->kb, NG, H, n_stream);
+        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*hk->vb, NG, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, ott_meta_row::len(S), H, n_stream);
         L.flags     = flags[std::find(ctxs.begin(), ctxs.end(), ctx) - ctxs.begin()];
@@ -107,6 +108,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.n_stream    = (int32_t) n_stream;
         L.op.outlier_num = (int32_t) il < cfg.no_outlier_layers ? 0 : cfg.outlier_num;
         L.op.aux_cap     = cfg.aux_cap;
+        L.op.kbits       = kv_type.kbits;
+        L.op.vbits       = kv_type.vbits;
+        L.op.v_rotate    = cfg.v_rotate;
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
@@ -134,8 +138,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     for (uint32_t s = 0; s < n_stream; ++s) {
         reset_stream_meta(s);
     }
-    LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, G=%d R=%d Gv=%d outliers=%d aux=%d (first %d layers "
-                   "none), kernels %s\n", __func__, kv_type.name, layers.size(), n_stream, n_ctx_seq, G, cfg.R, Gv,
+    LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits, V %d bits%s, G=%d R=%d Gv=%d "
+                   "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
+                   n_stream, n_ctx_seq, kv_type.kbits, kv_type.vbits, cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
     LLAMA_LOG_INFO("%s: %s cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
                    __func__, kv_type.name, (bytes_quant + bytes_tail + bytes_pool)/1048576.0, bytes_quant/1048576.0,

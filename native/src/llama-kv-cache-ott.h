@@ -41,6 +41,14 @@ struct llama_ott_kv_type {
     bool         outliers; // outlier tracing (false: the KIVI baseline of the same width)
 };
 
+// the cache types of the two sides, resolved once when the cache is created
+struct llama_ott_kv_pair {
+    char    name[16]; // "ott2", or "ott3/ott2" (K/V) when the sides differ
+    int32_t kbits;
+    int32_t vbits;
+    bool    outliers;
+};
+
 // the type's row, or nullptr when `type` is not an ott type
 const llama_ott_kv_type * llama_ott_kv_type_of(ggml_type type);
 
@@ -104,7 +112,7 @@ class llama_kv_cache_ott : public llama_memory_i {
 public:
     // cfg: as given by the caller (a kivi type's cache has no outliers whatever cfg says); filter: the layers this
     // cache serves (all when empty)
-    llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams, const llama_ott_kv_type & kv_type,
+    llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams, const llama_ott_kv_pair & kv_type,
                        const llama_ott_config & cfg, const layer_filter_cb & filter = nullptr);
     ~llama_kv_cache_ott() override;
 
@@ -149,7 +157,8 @@ public:
         return il < (int32_t) layer_ids.size() && layer_ids[il] >= 0 ? &layers[layer_ids[il]] : nullptr;
     }
 
-    const llama_ott_kv_type & kv_type;
+    const llama_ott_kv_pair kv_type;
+    const ott_head_kernels * hk; // the per-head kernels of the two widths
     const llama_ott_config cfg; // effective: a kivi type's outlier_num is 0
     const uint32_t n_stream;
     const uint32_t n_ctx_seq;
@@ -220,7 +229,7 @@ public:
 class llama_kv_cache_ott_iswa : public llama_memory_i {
 public:
     llama_kv_cache_ott_iswa(const llama_model & model, const llama_cparams & cparams,
-                            const llama_ott_kv_type & kv_type, const llama_ott_config & cfg);
+                            const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg);
 
     llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
     llama_memory_context_ptr init_full() override;

@@ -20,11 +20,15 @@
 
 // ------------------------------------------------------------------------------------------- K/V types
 
-// Each row is a cache type of `-ctk/-ctv` and of llama_context_params.type_k/type_v; the widths the build's
-// kernels implement (OTT2_HEAD_BITS) are the ones listed.
+// Each row is a cache type of `-ctk/-ctv` and of llama_context_params.type_k/type_v, for one side: the build has
+// kernels for every pair of these widths (ott_head_find).
 static const llama_ott_kv_type ott_kv_types[] = {
     { GGML_TYPE_OTT2,  "ott2",  2, true  },
+    { GGML_TYPE_OTT3,  "ott3",  3, true  },
+    { GGML_TYPE_OTT4,  "ott4",  4, true  },
     { GGML_TYPE_KIVI2, "kivi2", 2, false },
+    { GGML_TYPE_KIVI3, "kivi3", 3, false },
+    { GGML_TYPE_KIVI4, "kivi4", 4, false },
 };
 
 const llama_ott_kv_type * llama_ott_kv_type_of(ggml_type type) {
@@ -47,7 +51,8 @@ int32_t llama_ott_kv_types(enum ggml_type * out, int32_t n) {
 // ---------------------------------------------------------------------------------------- configuration
 
 llama_ott_config llama_ott_config_default(void) {
-    return { /*.G =*/ 128, /*.R =*/ 32, /*.outlier_num =*/ 3, /*.aux_cap =*/ 32, /*.no_outlier_layers =*/ 2 };
+    return { /*.G =*/ 128, /*.R =*/ 32, /*.outlier_num =*/ 3, /*.aux_cap =*/ 32, /*.no_outlier_layers =*/ 2,
+             /*.v_rotate =*/ 1 };
 }
 
 // Upper bounds keep a typo from allocating gigabytes: the tail holds R + G tokens per (layer, head, sequence),
@@ -71,6 +76,9 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.no_outlier_layers < 0) {
         return "no_outlier_layers=" + std::to_string(c.no_outlier_layers) + " is negative";
+    }
+    if (c.v_rotate != 0 && c.v_rotate != 1) {
+        return "v_rotate=" + std::to_string(c.v_rotate) + " must be 0 or 1";
     }
     return "";
 }
@@ -145,36 +153,48 @@ static llama_memory_i * ott_create_memory(const llama_model & model, const llama
     if (!tk && !tv) {
         return nullptr;
     }
-    if (tk != tv) {
-        std::string names;
+    if (!tk || !tv || tk->outliers != tv->outliers) {
+        std::string ott, kivi;
         for (const auto & t : ott_kv_types) {
-            names += std::string(names.empty() ? "" : ", ") + t.name;
+            std::string & list = t.outliers ? ott : kivi;
+            list += std::string(list.empty() ? "" : ", ") + t.name;
         }
-        throw std::runtime_error(std::string("ott: the K and V cache types must be the same ott type (one of ") +
-                                 names + "), got K " + ggml_type_name(type_k) + " and V " + ggml_type_name(type_v));
+        throw std::runtime_error(std::string("ott: K and V must both be ott types (") + ott + ") or both kivi types (" +
+                                 kivi + "), in any widths; got K " + ggml_type_name(type_k) + " and V " +
+                                 ggml_type_name(type_v));
     }
+    llama_ott_kv_pair pair = {};
+    snprintf(pair.name, sizeof(pair.name), tk == tv ? "%s" : "%s/%s", tk->name, tv->name);
+    pair.kbits = tk->bits;
+    pair.vbits = tv->bits;
+    pair.outliers = tk->outliers;
     const std::string why = llama_ott_model_problem(model);
     if (!why.empty()) {
-        throw std::runtime_error(std::string(tk->name) + ": " + why);
+        throw std::runtime_error(std::string(pair.name) + ": " + why);
     }
     const llama_ott_config cfg = ott_thread_has_cfg ? ott_thread_cfg : llama_ott_config_default();
     const std::string bad = llama_ott_config_problem(cfg);
     if (!bad.empty()) {
-        throw std::runtime_error(std::string(tk->name) + ": " + bad);
+        throw std::runtime_error(std::string(pair.name) + ": " + bad);
+    }
+    if (!ott_head_find(pair.kbits, pair.vbits)) {
+        throw std::runtime_error(std::string(pair.name) + ": this build has no kernels for " +
+                                 std::to_string(pair.kbits) + "-bit keys with " + std::to_string(pair.vbits) +
+                                 "-bit values");
     }
     const llama_hparams & hparams = model.hparams;
     if (cparams.kv_unified && cparams.n_seq_max > 1) {
         if (hparams.is_swa_any()) {
-            throw std::runtime_error(std::string(tk->name) + ": several sequences of a sliding-window model need "
+            throw std::runtime_error(std::string(pair.name) + ": several sequences of a sliding-window model need "
                                      "separate K/V streams: turn the unified KV cache off (llama-server "
                                      "--no-kv-unified, kv_unified=false)");
         }
-        LLAMA_LOG_INFO("%s: %s keeps one stream per sequence: the unified KV cache is not used\n", __func__, tk->name);
+        LLAMA_LOG_INFO("%s: %s keeps one stream per sequence: the unified KV cache is not used\n", __func__, pair.name);
     }
     if (hparams.is_swa_any()) {
-        return new llama_kv_cache_ott_iswa(model, cparams, *tk, cfg);
+        return new llama_kv_cache_ott_iswa(model, cparams, pair, cfg);
     }
-    return new llama_kv_cache_ott(model, cparams, *tk, cfg);
+    return new llama_kv_cache_ott(model, cparams, pair, cfg);
 }
 
 llama_memory_i * llama_ott_create_memory(const llama_model & model, const llama_cparams & cparams, ggml_type type_k,
@@ -203,8 +223,8 @@ const char * llama_ott_last_error(void) {
 const char * llama_ott_build_info(void) {
     static const std::string info = [] {
         char buf[256];
-        snprintf(buf, sizeof(buf), "ott-gguf %s; ott caches: %d-bit codes, G=%d, Gv=%d; kernels %s", OTT_GGUF_VERSION,
-                 OTT2_HEAD_BITS, OTT2_HEAD_G, OTT2_HEAD_GV, ott2_head_isa());
+        snprintf(buf, sizeof(buf), "ott-gguf %s; ott caches: K and V codes of 2, 3 or 4 bits, G=%d, Gv=%d; kernels %s",
+                 OTT_GGUF_VERSION, OTT2_HEAD_G, OTT2_HEAD_GV, ott2_head_isa());
         return std::string(buf);
     }();
     return info.c_str();

@@ -21,11 +21,22 @@ namespace {
 
 std::atomic<long> n_calls{0};
 
+// the emulated kernels of the op's K/V widths (every pair the build has)
+const ott2_cu_ops * ops_of(const ggml_tensor * op) {
+    const ggml_ott_params * p = ggml_ott_get_params(op);
+    const ott2_cu_ops * ops = ott2_emu_find(p->kbits, p->vbits);
+    if (!ops) {
+        fprintf(stderr, "ott_cuda_emu: no kernels for K %d bits, V %d bits\n", p->kbits, p->vbits);
+        abort();
+    }
+    return ops;
+}
+
 void emu_attn_part(ggml_tensor * dst, int ith, int /*nth*/) {
     if (ith == 0) {
         ott_cu_args a = ggml_ott_cu_args(dst);
         a.part = (float *) dst->data;
-        ott2_emu_attn_part(&a, nullptr);
+        ops_of(dst)->attn_part(&a, nullptr);
         n_calls++;
     }
 }
@@ -35,7 +46,7 @@ void emu_attn(ggml_tensor * dst, int ith, int /*nth*/) {
         ott_cu_args a = ggml_ott_cu_args(dst->src[0]); // shapes only: the merge reads `part`
         a.part = (float *) dst->src[0]->data;
         a.out = (float *) dst->data;
-        ott2_emu_attn_merge(&a, nullptr);
+        ops_of(dst->src[0])->attn_merge(&a, nullptr);
         n_calls++;
     }
 }
@@ -43,9 +54,10 @@ void emu_attn(ggml_tensor * dst, int ith, int /*nth*/) {
 void emu_seal(ggml_tensor * dst, int ith, int /*nth*/) {
     if (ith == 0) {
         ott_cu_args a = ggml_ott_cu_args(dst);
-        std::vector<uint16_t> scratch((size_t) 2*OTT2_CU_G*a.D*a.ns*a.H);
+        const ott2_cu_ops * ops = ops_of(dst);
+        std::vector<uint16_t> scratch((size_t) 2*ops->G*a.D*a.ns*a.H);
         a.scratch = scratch.data();
-        ott2_emu_seal(&a, nullptr);
+        ops->seal(&a, nullptr);
         n_calls++;
     }
 }
