@@ -82,9 +82,19 @@ def loaded_library_path() -> str:
 
 
 class LlamaOttConfig(ctypes.Structure):
-    """struct llama_ott_config."""
+    """struct llama_ott_config: every field an int32 (v_rotate 0 or 1)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS]
+
+    @classmethod
+    def of(cls, cfg: OttConfig) -> LlamaOttConfig:
+        return cls(*cfg.native())
+
+    def to_config(self) -> OttConfig:
+        """The OttConfig of these values (v_rotate as a bool; Gv: the build's)."""
+        values = {name: int(getattr(self, name)) for name in OttConfig.NATIVE_FIELDS}
+        values["v_rotate"] = bool(values["v_rotate"])
+        return OttConfig(**values, Gv=int(str(build_info()["ott2_group"])))
 
 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
@@ -154,7 +164,7 @@ def type_bytes(name: str, n: int) -> float:
 def config_problem(cfg: OttConfig) -> str:
     """Why this build's ott caches refuse cfg ("" when they accept it)."""
     buf = ctypes.create_string_buffer(256)
-    ok = native().llama_ott_config_check(ctypes.byref(LlamaOttConfig(*cfg.native())), buf, len(buf))
+    ok = native().llama_ott_config_check(ctypes.byref(LlamaOttConfig.of(cfg)), buf, len(buf))
     return "" if ok else buf.value.decode()
 
 
@@ -162,7 +172,7 @@ def config_problem(cfg: OttConfig) -> str:
 def thread_config(cfg: OttConfig) -> Iterator[None]:
     """The configuration of the ott caches that llama_init_from_model creates on this thread inside the block."""
     lib = native()
-    lib.llama_ott_set_thread_config(ctypes.byref(LlamaOttConfig(*cfg.native())))
+    lib.llama_ott_set_thread_config(ctypes.byref(LlamaOttConfig.of(cfg)))
     try:
         yield
     finally:
@@ -174,9 +184,7 @@ def context_config(ctx: object) -> OttConfig | None:
     out = LlamaOttConfig()
     if not native().llama_ott_context_config(ctx, ctypes.byref(out)):
         return None
-    return OttConfig(
-        **{name: getattr(out, name) for name in OttConfig.NATIVE_FIELDS}, Gv=int(str(build_info()["ott2_group"]))
-    )
+    return out.to_config()
 
 
 OTT_CACHE_INFO_FIELDS = ("positions", "sealed", "quantized_bytes", "tail_bytes", "pool_bytes", "outlier_slots",

@@ -1,7 +1,8 @@
 """Prefill and decode speed per K/V cache type and context depth, measured by the bundled llama-bench.
 
-`ott-gguf bench MODEL` runs `llama-bench -ctk T -ctv T -fa 1 -d DEPTHS -p P -n N -o json` once per cache type
-(ott2 and kivi2, the ott cache without outliers, are cache types like the stock ones) and reads its
+`ott-gguf bench MODEL` runs `llama-bench -ctk K -ctv V -fa 1 -d DEPTHS -p P -n N -o json` once per cache type
+or "K/V" pair (ott2..ott4 and kivi2..kivi4, the ott cache without outliers, are cache types like the stock ones;
+llama-bench takes no --ott-params, so the ott caches run the C defaults there) and reads its
 JSON: "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at a time, each after
 `depth` tokens already in the cache.
 """
@@ -15,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._lib import bin_path
-from .kv_types import resolve_kv_type
+from .kv_types import kv_pair_name, resolve_kv_types
 
 __all__ = ["BenchRow", "bench", "bench_command", "parse_bench_json", "plot_bench"]
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    kv_type: str
+    kv_type: str  # "ott2", or "ott3/ott2" for K/V types that differ
     test: str  # "pp" (prompt processing, prefill) or "tg" (token generation, decode)
     n_tokens: int  # tokens timed: P for pp, N for tg
     depth: int  # tokens in the cache before the timed ones
@@ -36,8 +37,8 @@ class BenchRow:
 
 def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
                   threads: int | None, reps: int, n_gpu_layers: int | None = None) -> list[str]:  # fmt: skip
-    ctype = resolve_kv_type(kv_type)
-    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", ctype, "-ctv", ctype, "-fa", "1",
+    k, v = resolve_kv_types(kv_type)
+    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1",
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-o", "json"]  # fmt: skip
     if threads is not None:
@@ -77,7 +78,7 @@ def bench(
     """Run llama-bench once per cache type; rows in the order of kv_types, then as llama-bench reports them."""
     from .info import require_ott_support
 
-    types = [resolve_kv_type(t) for t in kv_types]
+    types = [kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
     if not Path(model).is_file():
         raise FileNotFoundError(f"model file not found: {model}")
     if any(d < 0 for d in depths) or n_prompt < 0 or n_gen < 0 or reps < 1 or not (n_prompt or n_gen):

@@ -22,11 +22,30 @@ def _model_path(arg: str | None) -> Path:
     return p
 
 
+def _kv_types(args: argparse.Namespace) -> str:
+    """--kv-type with --type-k/--type-v over one side each, validated: "ott2", or "ott3/ott2" (K/V)."""
+    from .kv_types import kv_pair_name, resolve_kv_types
+
+    return kv_pair_name(*resolve_kv_types(args.kv_type, args.type_k, args.type_v))
+
+
+def _add_kv_type_args(p: argparse.ArgumentParser, default: str) -> None:
+    from .kv_types import KV_TYPES
+
+    p.add_argument("--kv-type", default=default,
+                   help=f"K/V cache type of both sides: {', '.join(KV_TYPES)}, or K/V such as ott3/ott2 "
+                   f"(default {default})")  # fmt: skip
+    p.add_argument("-ctk", "--type-k", metavar="TYPE", help="K cache type, over --kv-type's")
+    p.add_argument("-ctv", "--type-v", metavar="TYPE",
+                   help="V cache type, over --kv-type's (ott* with ott*, kivi* with kivi*)")  # fmt: skip
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from . import Llama, llama_ott_build_info
 
+    kv_type = _kv_types(args)  # before fetching a model for nothing
     path = _model_path(args.model)
-    llm = Llama(str(path), kv_type=args.kv_type, n_ctx=args.n_ctx, seed=0, verbose=args.verbose)
+    llm = Llama(str(path), kv_type=kv_type, n_ctx=args.n_ctx, seed=0, verbose=args.verbose)
     out = llm.create_chat_completion(
         messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
     )
@@ -37,9 +56,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat
-    from .kv_types import resolve_kv_type
 
-    kv_type = resolve_kv_type(args.kv_type)  # before fetching a model for nothing
+    kv_type = _kv_types(args)  # before fetching a model for nothing
     return chat.run(_model_path(args.model), kv_type=kv_type, n_ctx=args.n_ctx, system=args.system,
                     max_tokens=args.max_tokens, temperature=args.temperature, verbose=args.verbose)  # fmt: skip
 
@@ -47,10 +65,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import server_command
 
+    kv_type = _kv_types(args)
     path = _model_path(args.model)
     extra = list(args.passthrough)
-    cmd = server_command(path, kv_type=args.kv_type, host=args.host, port=args.port, extra=extra)
-    print(f"ott-gguf: serving {path.name} with kv_type={args.kv_type} at http://{args.host}:{args.port}", flush=True)
+    cmd = server_command(path, kv_type=kv_type, host=args.host, port=args.port, extra=extra)
+    print(f"ott-gguf: serving {path.name} with kv_type={kv_type} at http://{args.host}:{args.port}", flush=True)
     os.execv(cmd[0], cmd)
     return 0  # not reached
 
@@ -75,11 +94,12 @@ def cmd_build_info(args: argparse.Namespace) -> int:
 
 
 def _kv_type_list(value: str) -> list[str]:
-    """--kv-types: comma-separated names, validated here so that a typo fails before any model is loaded."""
-    from .kv_types import resolve_kv_type
+    """--kv-types: comma-separated names or K/V pairs (ott3/ott2), validated here so that a typo fails before any
+    model is loaded."""
+    from .kv_types import kv_pair_name, resolve_kv_types
 
     try:
-        names = [resolve_kv_type(v) for v in value.split(",") if v.strip()]
+        names = [kv_pair_name(*resolve_kv_types(v.strip())) for v in value.split(",") if v.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not names:
@@ -112,8 +132,8 @@ def _progress(msg: str) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     import textwrap
 
-    from .info import INFO_KV_TYPES, MEASURE_CTX, MIB, formula_bytes_per_token, measure_kv_bytes, model_info
-    from .kv_types import OTT_KV_TYPES
+    from .info import MEASURE_CTX, MIB, formula_bytes_per_token, measure_kv_bytes, model_info
+    from .kv_types import is_ott_kv_type
 
     path = _model_path(args.model)
     mi = model_info(path)
@@ -129,13 +149,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"sliding window: {mi.sliding_window}")
     print("ott2: supported" if not mi.ott2_problem else f"ott2: not supported: {mi.ott2_problem}")
 
-    types = [t for t in INFO_KV_TYPES if not (mi.ott2_problem and t in OTT_KV_TYPES)]
+    types = [t for t in args.kv_types if not (mi.ott2_problem and is_ott_kv_type(t))]
     measured = {k.kv_type: k for k in measure_kv_bytes(path, types)}
     budget = args.budget_mib * MIB
     header = ["kv_type", "bytes/token", "formula", "fixed MiB", f"MiB @ {args.n_ctx}"]
     header.append(f"max n_ctx in {args.budget_mib:g} MiB")
     rows = []
-    for t in INFO_KV_TYPES:
+    for t in args.kv_types:
         k = measured.get(t)
         if k is None:
             rows.append([t, "-", "-", "-", "-", "not supported"])
@@ -160,8 +180,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"note: the model was trained on {mi.n_ctx_train} tokens; the max n_ctx of {', '.join(beyond)} goes "
             "beyond it: the budget fits that much cache, but the model's quality past its trained context is not "
             "what it was trained for (llama.cpp warns when n_ctx exceeds it).", width=110))  # fmt: skip
-    for t in OTT_KV_TYPES:
-        if t in measured and measured[t].parts:
+    for t in measured:
+        if is_ott_kv_type(t) and measured[t].parts:
             parts = ", ".join(f"{name} {b / MIB:.2f}" for name, b in measured[t].parts.items())
             print(f"{t} at {large} tokens (MiB): {parts}")
     return 0
@@ -169,7 +189,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import REFERENCE, evaluate, import_pyplot, plot_eval
-    from .kv_types import OTT_KV_TYPES, OttConfig
+    from .kv_types import OttConfig, is_ott_kv_type
 
     path = _model_path(args.model)
     if args.plot:
@@ -184,10 +204,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # significant digits, not decimals: an exact 0 prints as 0, a tiny divergence does not round to it
     print(_table(header, [[r.kv_type, f"{r.mean_kld:.4g}", f"{r.max_kld:.4g}", f"{r.ppl:.3f}", f"{r.ppl_ratio:.4f}",
                            f"{100 * r.top1:.1f}%"] for r in rows]))  # fmt: skip
-    ott = [t for t in args.kv_types if t in OTT_KV_TYPES]
+    ott = [t for t in args.kv_types if is_ott_kv_type(t)]
     cfg = OttConfig()
     if ott and args.n_ctx < cfg.R + cfg.G:
-        # nothing is quantized below R + G positions: the ott rows then measure an fp16 cache, not 2 bits
+        # nothing is quantized below R + G positions: the ott rows then measure an fp16 cache, not their codes
         print(f"warning: at n_ctx {args.n_ctx} no group of {cfg.G} tokens is ever sealed (that takes {cfg.R + cfg.G} "
               f"positions): {', '.join(ott)} kept every token in fp16 here; use --n-ctx {cfg.R + cfg.G} or more",
               file=sys.stderr)  # fmt: skip
@@ -225,7 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .kv_types import KV_TYPES
+    from .info import INFO_KV_TYPES
 
     ap = argparse.ArgumentParser(prog="ott-gguf", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="chat-complete one prompt greedily with a GGUF model")
     g.add_argument("prompt")
     g.add_argument("--model", help=f"GGUF path or one of {', '.join(models.MODELS)} (default {models.DEFAULT_MODEL})")
-    g.add_argument("--kv-type", default="ott2", help=f"K/V cache type: {', '.join(KV_TYPES)} (default ott2)")
+    _add_kv_type_args(g, "ott2")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--n-ctx", type=int, default=2048)
     g.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
@@ -241,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     c = sub.add_parser("chat", help="chat in the terminal, streaming, with the K/V cache's size after each answer")
     c.add_argument("model", nargs="?", help=f"GGUF path or a known model name (default {models.DEFAULT_MODEL})")
-    c.add_argument("--kv-type", default="ott2", help=f"K/V cache type: {', '.join(KV_TYPES)}")
+    _add_kv_type_args(c, "ott2")
     c.add_argument("--n-ctx", type=int, default=4096)
     c.add_argument("--system", help="system prompt (default: the chat template's own)")
     c.add_argument("--max-tokens", type=int, default=512, help="longest answer, in tokens")
@@ -253,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="run the patched llama-server (OpenAI-compatible); flags after -- go to llama-server"
     )
     s.add_argument("model", help="GGUF path or a known model name")
-    s.add_argument("--kv-type", default="f16")
+    _add_kv_type_args(s, "f16")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.set_defaults(fn=cmd_serve)
@@ -266,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=cmd_build_info)
 
     known = f"GGUF path or one of {', '.join(models.MODELS)}"
-    i = sub.add_parser("info", help="attention shape, ott2 support, K/V bytes per token and longest context per type")
+    i = sub.add_parser("info", help="attention shape, ott support, K/V bytes per token and longest context per type")
     i.add_argument("model", help=known)
     i.add_argument("--budget-mib", type=float, default=1024, help="memory for the K/V cache, MiB (default 1024)")
     i.add_argument("--n-ctx", type=int, default=4096, help="also show each cache's size at this context length")
+    i.add_argument("--kv-types", type=_kv_type_list, default=",".join(INFO_KV_TYPES),
+                   help="comma-separated; K/V for a pair, e.g. ott3/ott2")  # fmt: skip
     i.set_defaults(fn=cmd_info)
 
     e = sub.add_parser("eval", help="KL divergence, perplexity ratio and top-1 agreement of K/V types vs f16")
@@ -278,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk, each from an empty cache")
     e.add_argument("--chunks", type=int, default=4, help="at most this many chunks")
     e.add_argument("--ubatch", type=int, default=16, help="tokens per decode call (1: token by token)")
-    e.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,kivi2,ott2", help="comma-separated")
+    e.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,kivi2,ott2",
+                   help="comma-separated; K/V for a pair, e.g. ott3/ott2")  # fmt: skip
     e.add_argument("--threads", type=int, help="CPU threads (default: llama-cpp-python's)")
     e.add_argument("--plot", help="write a bar chart (PNG) here")
     e.set_defaults(fn=cmd_eval)
@@ -286,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("bench", help="prefill/decode tokens/s vs context depth per K/V type (llama-bench)")
     n.add_argument("model", help=known)
     n.add_argument("--depths", type=_int_list, default="0,512,2048", help="tokens in the cache before timing")
-    n.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,ott2", help="comma-separated")
+    n.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,ott2",
+                   help="comma-separated; K/V for a pair, e.g. ott3/ott2")  # fmt: skip
     n.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed (prefill)")
     n.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens timed (decode)")
     n.add_argument("-r", "--reps", type=int, default=3, help="repetitions per test")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kv_types import resolve_kv_type
+from .kv_types import kv_pair_name, resolve_kv_types
 
 __all__ = ["EvalRow", "evaluate", "eval_logits", "kl_divergence", "log_softmax", "plot_eval", "text_chunks"]
 
@@ -42,7 +42,8 @@ def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
 def eval_logits(model: Path | str, kv_type: str, tokens: list[int], n_ctx: int = 2048, ubatch: int = 512,
                 **kw: object) -> np.ndarray:  # fmt: skip
-    """Logits of every position of `tokens`, evaluated from an empty cache of the given type in ubatches."""
+    """Logits of every position of `tokens`, evaluated from an empty cache of the given type (or "K/V" pair of
+    types) in ubatches."""
     from .llama import Llama
 
     llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=ubatch, n_ubatch=ubatch, logits_all=True,
@@ -83,7 +84,7 @@ def text_chunks(model: Path | str, text: str, n_ctx: int, chunks: int) -> list[l
 class EvalRow:
     """One cache type against the f16 cache over all evaluated positions."""
 
-    kv_type: str
+    kv_type: str  # "ott2", or "ott3/ott2" for K/V types that differ
     chunks: int
     n_tokens: int  # positions compared (KLD, top-1); perplexity scores the n_tokens - chunks next tokens
     mean_kld: float  # mean KL(p_f16 || p_type) per position, nats
@@ -120,13 +121,15 @@ def evaluate(
 ) -> list[EvalRow]:
     """Compare each cache type's logits with the f16 cache's on the same chunks of `text`.
 
-    text defaults to the pinned llama.cpp docs (ott_gguf.corpus). f16 is evaluated once as the reference; an f16
-    row, when asked for, is a second, independent f16 run (so its zero KLD shows the evaluation is deterministic).
-    One context at a time is alive, with one chunk's reference logits: memory stays at one chunk's worth.
+    kv_types: names, or "K/V" pairs such as "ott3/ott2" (rows are named like that, or by the one type of a pair
+    that agrees). text defaults to the pinned llama.cpp docs (ott_gguf.corpus). f16 is evaluated once as the
+    reference; an f16 row, when asked for, is a second, independent f16 run (so its zero KLD shows the evaluation
+    is deterministic). One context at a time is alive, with one chunk's reference logits: memory stays at one
+    chunk's worth.
     """
     from .info import require_ott_support
 
-    types = [resolve_kv_type(t) for t in kv_types]
+    types = [kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
     if not types:
         raise ValueError("no K/V cache types to evaluate")
     if ubatch < 1:

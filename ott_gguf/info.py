@@ -1,12 +1,12 @@
 """What a GGUF model's K/V cache costs per cache type, measured from what llama.cpp allocates.
 
-`ott-gguf info MODEL` prints the attention shape from the GGUF metadata, whether the ott2 cache supports the
-model, and per K/V type the bytes per token and fixed bytes of the cache and the longest context that fits a
-memory budget.
+`ott-gguf info MODEL` prints the attention shape from the GGUF metadata, whether the ott caches support the
+model, and per K/V type (or "K/V" pair, such as "ott3/ott2") the bytes per token and fixed bytes of the cache and
+the longest context that fits a memory budget.
 
 The bytes come from the caches themselves: a context is created at two sizes and what each cache allocated
 (`llama_ott_kv_cache_bytes`: the memory module's own breakdown, for any cache type) gives a line: slope = bytes
-per token, intercept = fixed part (ott2's fp16 tail ring and outlier pools). The ott2 and kivi2 caches also
+per token, intercept = fixed part (ott2's fp16 tail ring and outlier pools). The ott caches (ott*, kivi*) also
 report their bytes by part (`llama_ott_cache_info`, as `Llama.kv_cache_info`). For the stock types the closed
 form from ggml's type sizes is printed beside the measurement as a check.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _lib
-from .kv_types import OTT_KV_TYPES, resolve_kv_type
+from .kv_types import OTT_KV_TYPES, is_ott_kv_type, kv_pair_name, resolve_kv_type, resolve_kv_types
 
 __all__ = [
     "INFO_KV_TYPES",
@@ -114,19 +114,20 @@ def model_info(path: str | Path) -> ModelInfo:
 
 
 def require_ott_support(path: str | Path, kv_types: Sequence[str]) -> None:
-    """Raise ValueError naming the reason when ott2/kivi2 is among kv_types and cannot serve the model."""
-    ott = [t for t in kv_types if resolve_kv_type(t) in OTT_KV_TYPES]
+    """Raise ValueError naming the reason when an ott type (ott*, kivi*) is among kv_types and cannot serve the
+    model."""
+    ott = [t for t in kv_types if is_ott_kv_type(t)]
     if ott:
         problem = _lib.ott_model_problem(str(path))
         if problem:
-            raise ValueError(f"{'/'.join(ott)} cannot be used with {Path(path).name}: {problem}")
+            raise ValueError(f"{', '.join(ott)} cannot be used with {Path(path).name}: {problem}")
 
 
 @dataclass(frozen=True)
 class KvBytes:
     """One cache type's allocation as a line in the context length: fixed + per_token * n_ctx bytes."""
 
-    kv_type: str
+    kv_type: str  # "ott2", or "ott3/ott2" for K/V types that differ
     per_token: float
     fixed: float
     measured: tuple[tuple[int, float], ...]  # (n_ctx, bytes) as the cache reported them
@@ -143,7 +144,8 @@ class KvBytes:
 
 
 def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[str, float]]:
-    """Bytes the cache of kv_type allocates for n_ctx, and for ott2/kivi2 the bytes by part."""
+    """Bytes the cache of kv_type (a name or "K/V") allocates for n_ctx, and for the ott caches the bytes by
+    part."""
     from .llama import Llama
 
     # small batches: the compute buffers are not what is measured and need not be large
@@ -151,7 +153,7 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[
     llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
     try:
         parts: dict[str, float] = {}
-        if kv_type in OTT_KV_TYPES:
+        if is_ott_kv_type(kv_type):
             # the cache's own account by part, a sliding-window model's f16 window layers included
             info = llm.kv_cache_info()
             parts = {name: float(b) for name, b in info["bytes"].items()}  # type: ignore[attr-defined]
@@ -168,7 +170,7 @@ def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
     if not 0 < small < large:
         raise ValueError(f"need two increasing context sizes, got {n_ctx}")
     out = []
-    for t in (resolve_kv_type(t) for t in kv_types):
+    for t in (kv_pair_name(*resolve_kv_types(t)) for t in kv_types):
         b_small, _ = _allocated_bytes(path, t, small)
         b_large, parts = _allocated_bytes(path, t, large)
         slope = (b_large - b_small) / (large - small)
@@ -182,9 +184,10 @@ def ggml_type_size(kv_type: str) -> float:
 
 
 def formula_bytes_per_token(info: ModelInfo, kv_type: str) -> float | None:
-    """n_layer x n_head_kv x (head_dim_k + head_dim_v) x bytes per element; None for ott2/kivi2, per-layer head
-    counts and sliding-window models (their window layers hold only the window, and which layers those are is
-    the architecture's, not the GGUF's)."""
-    if resolve_kv_type(kv_type) in OTT_KV_TYPES or info.n_head_kv is None or info.sliding_window:
+    """n_layer x n_head_kv x (head_dim_k x K bytes per element + head_dim_v x V bytes per element), kv_type a
+    name or "K/V"; None for the ott caches, per-layer head counts and sliding-window models (their window layers
+    hold only the window, and which layers those are is the architecture's, not the GGUF's)."""
+    k, v = resolve_kv_types(kv_type)
+    if k in OTT_KV_TYPES or info.n_head_kv is None or info.sliding_window:
         return None
-    return info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v) * ggml_type_size(kv_type)
+    return info.n_layer * info.n_head_kv * (info.head_dim_k * ggml_type_size(k) + info.head_dim_v * ggml_type_size(v))

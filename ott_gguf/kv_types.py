@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 # K/V cache types of the pinned llama.cpp (common/arg.cpp kv_cache_types, less f32)
 STOCK_KV_TYPES: tuple[str, ...] = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# the caches of this project, each a ggml type id that selects the ott cache (native/src/llama-ott.cpp lists
-# them; a test checks that the two lists agree): ott2, and kivi2 (the same cache with no outlier tokens)
-OTT_KV_TYPES: tuple[str, ...] = ("ott2", "kivi2")
+# the caches of this project, each a ggml type id that selects the ott cache for one side (native/src/llama-ott.cpp
+# lists them; a test checks that the two lists agree): ott2..ott4 (2, 3 or 4-bit codes with outlier tokens) and
+# kivi2..kivi4 (the same cache with no outlier tokens). K and V may differ in width, not in family.
+OTT_KV_TYPES: tuple[str, ...] = ("ott2", "ott3", "ott4", "kivi2", "kivi3", "kivi4")
 KV_TYPES: tuple[str, ...] = STOCK_KV_TYPES + OTT_KV_TYPES
 # ott types without outlier tokens: the KIVI baselines
 KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswith("kivi"))
@@ -29,9 +30,10 @@ ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim
 class OttConfig:
     """Parameters of the ott caches (spec/ott2-algorithm.md).
 
-    The native cache takes G, R, outlier_num, aux_cap and no_outlier_layers (C struct `llama_ott_config`); its
-    code width comes from the K/V type (ott2: 2 bits) and Gv from the build. The other fields are variants of the
-    numpy reference (and of the fidelity study): bits, or k_bits/v_bits per side (None: bits); k_rotate/v_rotate:
+    The native cache takes G, R, outlier_num, aux_cap, no_outlier_layers and v_rotate (C struct
+    `llama_ott_config`); its code widths come from the K and V types (type_k="ott3": 3-bit keys) and Gv from the
+    build. The other fields are variants of the numpy reference (and of the fidelity study): bits, or k_bits/v_bits
+    per side (None: bits); k_rotate/v_rotate:
     an orthonormal Hadamard transform over blocks of ROT_BLOCK channels before quantizing that side (scores for
     outlier tracing stay on the unrotated keys; pooled and tail tokens are stored unrotated; V is rotated or not per
     token and unit of max(Gv, ROT_BLOCK) channels, flagged in the sign bit of its fp16 scales, so v_rotate needs Gv
@@ -53,7 +55,7 @@ class OttConfig:
     k_bits: int | None = None
     v_bits: int | None = None
     k_rotate: bool = False
-    v_rotate: bool = False
+    v_rotate: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,7 +95,8 @@ class OttConfig:
         return self.bits if self.v_bits is None else self.v_bits
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
-    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers")
+    # (all int32 there: v_rotate is 0 or 1)
+    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate")
 
     @classmethod
     def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
@@ -119,12 +122,23 @@ class OttConfig:
         return OttConfig(**{**asdict(self), **changes})
 
     def for_kv_type(self, kv_type: str) -> OttConfig:
-        """The configuration an ott cache of this type runs: the KIVI types have no outliers."""
-        return self.replace(outlier_num=0) if kv_type in KIVI_KV_TYPES else self
+        """The configuration an ott cache of this type, or "K/V" pair of types, runs: the code widths of its types
+        (k_bits/v_bits, set where they differ from this configuration's), and no outliers for the kivi types."""
+        k, v = resolve_kv_types(kv_type)
+        if k not in OTT_KV_TYPES:
+            raise ValueError(f"{kv_type!r} is not an ott cache type; valid: {', '.join(OTT_KV_TYPES)}")
+        changes: dict[str, Any] = {}
+        if kv_type_bits(k) != self.kbits:
+            changes["k_bits"] = kv_type_bits(k)
+        if kv_type_bits(v) != self.vbits:
+            changes["v_bits"] = kv_type_bits(v)
+        if k in KIVI_KV_TYPES:
+            changes["outlier_num"] = 0
+        return self.replace(**changes) if changes else self
 
     def native(self) -> tuple[int, ...]:
-        """The values of NATIVE_FIELDS."""
-        return tuple(getattr(self, n) for n in self.NATIVE_FIELDS)
+        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate: 0 or 1)."""
+        return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def outliers_for_layer(self, layer: int) -> int:
         """Outlier pool capacity of a layer: the first no_outlier_layers layers have none."""
@@ -143,11 +157,90 @@ class OttConfig:
         return BlockFormat(self.vbits, self.Gv)
 
 
-def resolve_kv_type(kv_type: object) -> str:
-    """Validate a kv_type name; raise ValueError listing the valid names."""
+def resolve_kv_type(kv_type: object, what: str = "kv_type") -> str:
+    """Validate one K/V cache type name (case-insensitive); raise ValueError listing the valid names. `what` names
+    the argument in the message."""
     if not isinstance(kv_type, str):
-        raise ValueError(f"kv_type must be a string, one of {', '.join(KV_TYPES)}; got {kv_type!r}")
+        raise ValueError(f"{what} must be a string, one of {', '.join(KV_TYPES)}; got {kv_type!r}")
     name = kv_type.strip().lower()
     if name in KV_TYPES:
         return name
-    raise ValueError(f"unknown kv_type {kv_type!r}; valid choices: {', '.join(KV_TYPES)}")
+    raise ValueError(f"unknown {what} {kv_type!r}; valid choices: {', '.join(KV_TYPES)}")
+
+
+def kv_type_bits(name: str) -> int:
+    """Code width of an ott cache type: ott3 and kivi3 store 3-bit codes."""
+    if name not in OTT_KV_TYPES:
+        raise ValueError(f"{name!r} is not an ott cache type; valid: {', '.join(OTT_KV_TYPES)}")
+    return int(name[-1])
+
+
+def _family(name: str) -> str:
+    return "kivi" if name in KIVI_KV_TYPES else "ott" if name in OTT_KV_TYPES else "stock"
+
+
+def _side(value: object, what: str) -> str:
+    """One side's type: a name, or a ggml type id (as llama_cpp.Llama's type_k/type_v take; needs the native
+    library to read the ids)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        from ._lib import ggml_type_ids  # the ids are the loaded build's
+
+        by_id = {i: n for n, i in ggml_type_ids().items()}
+        name = by_id.get(value)
+        if name in KV_TYPES:
+            return name
+        valid = ", ".join(f"{n}={i}" for n, i in ggml_type_ids().items() if n in KV_TYPES)
+        has = f"ggml type {name!r}" if name else "no ggml type"
+        raise ValueError(f"{what}={value} is not the ggml id of a K/V cache type ({has}); valid: {valid}")
+    return resolve_kv_type(value, what)
+
+
+def resolve_kv_pair(type_k: str | int, type_v: str | int) -> tuple[str, str]:
+    """The (K, V) type names of a pair given by names (case-insensitive) or ggml type ids.
+
+    Stock types mix freely (K q8_0, V q4_0). The ott caches hold both sides: an ott type needs an ott type on the
+    other side, a kivi type a kivi type; the widths may differ (K ott3, V ott2). Raises ValueError saying why."""
+    k, v = _side(type_k, "type_k"), _side(type_v, "type_v")
+    fk, fv = _family(k), _family(v)
+    if fk != fv:
+        if "stock" in (fk, fv):
+            ott, stock = (k, v) if fk != "stock" else (v, k)
+            raise ValueError(
+                f"type_k={k!r} with type_v={v!r}: the ott caches hold both K and V, so {ott!r} needs an ott type on "
+                f"the other side too, not the stock type {stock!r} (both ott* or both kivi*, widths free: e.g. "
+                "type_k='ott3', type_v='ott2')"
+            )
+        raise ValueError(
+            f"type_k={k!r} with type_v={v!r}: K and V must both be ott types ({', '.join(_of('ott'))}) or both kivi "
+            f"types ({', '.join(_of('kivi'))}); the widths are free (e.g. type_k='ott3', type_v='ott2')"
+        )
+    return k, v
+
+
+def _of(family: str) -> list[str]:
+    return [t for t in OTT_KV_TYPES if _family(t) == family]
+
+
+def kv_pair_name(type_k: str, type_v: str) -> str:
+    """The name of a (K, V) pair of types as the native cache says it: "ott3/ott2" when they differ, else "ott2"."""
+    return type_k if type_k == type_v else f"{type_k}/{type_v}"
+
+
+def resolve_kv_types(
+    kv_type: str = "f16", type_k: str | int | None = None, type_v: str | int | None = None
+) -> tuple[str, str]:
+    """The (K, V) type names of kv_type (one name for both sides, or "K/V" such as "ott3/ott2"), with type_k or
+    type_v (names or ggml type ids) replacing one side each; validated as resolve_kv_pair does."""
+    if not isinstance(kv_type, str):
+        raise ValueError(f"kv_type must be a string, one of {', '.join(KV_TYPES)} or 'K/V'; got {kv_type!r}")
+    parts = kv_type.split("/")
+    if len(parts) > 2:
+        raise ValueError(f"kv_type {kv_type!r}: expected one type or 'K/V' (e.g. 'ott3/ott2')")
+    k = resolve_kv_type(parts[0])
+    v = resolve_kv_type(parts[-1])
+    return resolve_kv_pair(k if type_k is None else type_k, v if type_v is None else type_v)
+
+
+def is_ott_kv_type(kv_type: str) -> bool:
+    """Whether a kv_type (a name, or "K/V") selects an ott cache (ott* or kivi* types)."""
+    return resolve_kv_types(kv_type)[0] in OTT_KV_TYPES

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from . import _lib
-from .kv_types import KV_TYPES, OTT_KV_TYPES, OttConfig, resolve_kv_type
+from .kv_types import KV_TYPES, OTT_KV_TYPES, OttConfig, kv_pair_name, resolve_kv_type, resolve_kv_types
 
-__all__ = ["KV_TYPES", "OTT_KV_TYPES", "Llama", "OttConfig", "resolve_kv_type"]
+__all__ = ["KV_TYPES", "OTT_KV_TYPES", "Llama", "OttConfig", "resolve_kv_type", "resolve_kv_types"]
 
 _llama_cpp = _lib.llama_cpp_module()
 
@@ -29,14 +29,18 @@ _STOCK_PARAMS = frozenset(
 
 
 class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
-    """A llama_cpp.Llama whose K/V cache type is chosen by name.
+    """A llama_cpp.Llama whose K/V cache types are chosen by name.
 
-    Llama(model_path, kv_type="ott2", n_ctx=8192, ...) takes every keyword of llama_cpp.Llama except
-    type_k/type_v (kv_type replaces them); unknown keywords raise TypeError instead of being ignored.
+    Llama(model_path, kv_type="ott2", n_ctx=8192, ...) takes every keyword of llama_cpp.Llama; unknown keywords
+    raise TypeError instead of being ignored. kv_type sets both sides ("ott2"; "ott3/ott2" is K/V); type_k and
+    type_v (names, or ggml type ids as llama_cpp.Llama takes them) set one side each over it: type_k="ott3",
+    type_v="ott2" keeps 3-bit keys and 2-bit values. Both sides must be ott* types or both kivi* types (kivi: the
+    same cache without outlier tokens), in any widths; stock types mix freely.
     Quantized cache types need flash attention, which is switched on for them (and by default for all).
-    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers) tunes the ott caches of this
-    Llama only (other Llama objects, in this thread or another, keep theirs); kivi2 is ott2 without outlier
-    tokens. After creation, `ott_config` is the configuration the cache runs, read back from it.
+    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate) tunes the ott caches of
+    this Llama only (other Llama objects, in this thread or another, keep theirs). After creation, `kv_type` is
+    the pair's name ("ott3/ott2", or "ott2" when both sides agree), `kv_type_k`/`kv_type_v` the sides, and
+    `ott_config` the configuration the cache runs, read back from it.
     """
 
     def __init__(
@@ -44,68 +48,72 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         model_path: str,
         *,
         kv_type: str = "f16",
-        ott_config: OttConfig | dict[str, int] | None = None,
+        type_k: str | int | None = None,
+        type_v: str | int | None = None,
+        ott_config: OttConfig | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - _STOCK_PARAMS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s): {', '.join(unknown)}")
-        if "type_k" in kwargs or "type_v" in kwargs:
-            raise ValueError("pass kv_type='<name>' instead of type_k/type_v; valid: " + ", ".join(KV_TYPES))
-        name = resolve_kv_type(kv_type)
+        k, v = resolve_kv_types(kv_type, type_k, type_v)
+        name = kv_pair_name(k, v)
+        what = f"kv_type={name!r}" if k == v else f"type_k={k!r}, type_v={v!r}"
+        ott = k in OTT_KV_TYPES  # then v is one too (resolve_kv_types)
         flash_attn = kwargs.pop("flash_attn", None)
-        if flash_attn is False and name in _NEEDS_FLASH_ATTN:
+        if flash_attn is False and (k in _NEEDS_FLASH_ATTN or v in _NEEDS_FLASH_ATTN):
             raise ValueError(
-                f"kv_type={name!r} stores quantized V rows, which llama.cpp supports only with flash attention; "
+                f"{what} stores quantized K/V rows, which llama.cpp supports only with flash attention; "
                 "leave flash_attn at its default (on)"
             )
-        if kwargs.get("embedding") and name in OTT_KV_TYPES:
+        if kwargs.get("embedding") and ott:
             # llama-cpp-python embeds up to n_batch texts per decode, one sequence each, sharing n_ctx: the ott
             # cache's per-sequence streams would get a few tokens each, and an embedding pass keeps nothing anyway
             raise ValueError(
-                f"kv_type={name!r} with embedding=True: embeddings evaluate each text once and keep nothing in the "
+                f"{what} with embedding=True: embeddings evaluate each text once and keep nothing in the "
                 "K/V cache, so an ott cache saves nothing there; use kv_type='f16' (or 'q8_0') for embeddings"
             )
-        if ott_config is not None and name not in OTT_KV_TYPES:
+        if ott_config is not None and not ott:
             raise ValueError(f"ott_config applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {name!r}")
         self.kv_type = name
+        self.kv_type_k, self.kv_type_v = k, v
         self.ott_config: OttConfig | None = None
         scope: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if name in OTT_KV_TYPES:
+        if ott:
             cfg = OttConfig.of(ott_config)
-            self._check_ott_config(name, cfg)
+            self._check_ott_config(cfg)
             # the check loads the model before the stock __init__ applies `verbose` to llama.cpp's log: apply it now
             _llama_cpp._logger.set_verbose(bool(kwargs.get("verbose", True)))
             problem = _lib.ott_model_problem(str(model_path))
             if problem:
-                raise ValueError(f"kv_type={name!r} cannot be used with {model_path}: {problem}")
-            type_id = _lib.ott_kv_type_ids()[name]
+                raise ValueError(f"{what} cannot be used with {model_path}: {problem}")
+            ids = _lib.ott_kv_type_ids()
             # this context's configuration, on this thread only while the stock __init__ creates the context
             scope = _lib.thread_config(cfg)
         else:
-            type_id = _lib.ggml_type_ids()[name]
+            ids = _lib.ggml_type_ids()
         try:
             with scope:
                 super().__init__(
                     model_path=model_path,
-                    type_k=type_id,
-                    type_v=type_id,
+                    type_k=ids[k],
+                    type_v=ids[v],
                     flash_attn=True if flash_attn is None else bool(flash_attn),
                     **kwargs,
                 )
         except ValueError as e:
             # llama-cpp-python says only "Failed to create llama_context": the cache says why
-            reason = _lib.last_error() if name in OTT_KV_TYPES else ""
+            reason = _lib.last_error() if ott else ""
             if reason:
-                raise ValueError(f"kv_type={name!r}: the context could not be created: {reason}") from e
+                raise ValueError(f"{what}: the context could not be created: {reason}") from e
             raise
         if "chat_format" not in kwargs and "chat_handler" not in kwargs:
             self._choose_chat_format()
-        if name in OTT_KV_TYPES:
+        if ott:
             # what the cache runs (kivi types: no outliers), read back from it
             self.ott_config = _lib.context_config(self._ctx.ctx)
             if self.ott_config is None:
-                raise RuntimeError(f"kv_type={name!r} was requested but the context has no ott cache")
+                raise RuntimeError(f"{what} was requested but the context has no ott cache")
 
     _chat_note = ""  # said once, at the first chat
 
@@ -138,14 +146,21 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         self.chat_handler = refuse
 
     @staticmethod
-    def _check_ott_config(name: str, cfg: OttConfig) -> None:
+    def _check_ott_config(cfg: OttConfig) -> None:
         """What the native cache cannot take, with the build's own reason."""
         default = OttConfig()
-        for field in ("bits", "k_bits", "v_bits", "k_rotate", "v_rotate", "mean", "identity"):
+        for field in ("bits", "k_bits", "v_bits"):
+            if getattr(cfg, field) != getattr(default, field):
+                raise ValueError(
+                    f"ott_config.{field}={getattr(cfg, field)!r}: the native cache takes its code widths from the "
+                    "K and V types, one per side: choose them with type_k/type_v (e.g. type_k='ott3', "
+                    "type_v='ott2'), or kv_type='ott3' for both"
+                )
+        for field in ("k_rotate", "mean", "identity"):
             if getattr(cfg, field) != getattr(default, field):
                 raise ValueError(
                     f"ott_config.{field}={getattr(cfg, field)!r} is a variant of the numpy reference only; the "
-                    f"native {name} cache runs {field}={getattr(default, field)!r}"
+                    f"native cache runs {field}={getattr(default, field)!r}"
                 )
         gv = int(str(_lib.build_info()["ott2_group"]))
         if cfg.Gv != gv:
@@ -155,14 +170,15 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             raise ValueError(f"ott_config: {problem}")
 
     def kv_cache_info(self) -> dict[str, object]:
-        """The K/V cache type and, for ott2/kivi2: positions held and sealed, bytes allocated by part (quantized
-        groups, fp16 tail, pools, and a sliding-window model's f16 window layers), outlier and aux pool slots in
-        use (summed over layers and KV heads), and the configuration."""
-        info: dict[str, object] = {"kv_type": self.kv_type}
+        """The K/V cache types (kv_type: the pair's name, type_k, type_v) and, for the ott caches: positions held
+        and sealed, bytes allocated by part (quantized groups, fp16 tail, pools, and a sliding-window model's f16
+        window layers), outlier and aux pool slots in use (summed over layers and KV heads), and the
+        configuration."""
+        info: dict[str, object] = {"kv_type": self.kv_type, "type_k": self.kv_type_k, "type_v": self.kv_type_v}
         if self.ott_config is not None:
             c = _lib.ott_cache_info(self._ctx.ctx)
             if c is None:
-                raise RuntimeError("this context has no ott2 cache")
+                raise RuntimeError("this context has no ott cache")
             parts = {"quantized": c["quantized_bytes"], "fp16 tail": c["tail_bytes"], "pools": c["pool_bytes"]}
             if c["window_bytes"]:
                 parts["f16 window layers"] = c["window_bytes"]
@@ -175,7 +191,7 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         try:
             super().load_state(state)
         except RuntimeError as e:
-            if self.kv_type in OTT_KV_TYPES:
+            if self.ott_config is not None:
                 reason = _lib.last_error() or "llama.cpp refused it before the K/V cache part (another model?)"
                 raise ValueError(f"this saved state cannot be loaded into a {self.kv_type} cache: {reason}") from e
             raise
@@ -187,9 +203,8 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
-        state.pop("type_k", None)
-        state.pop("type_v", None)
-        state["kv_type"] = self.kv_type
+        # the sides by name (the stock state has their ggml ids, which type_k/type_v would take too)
+        state["type_k"], state["type_v"] = self.kv_type_k, self.kv_type_v
         if self.ott_config is not None:
             state["ott_config"] = self.ott_config
         return state

@@ -1,4 +1,4 @@
-"""Start ott-gguf's patched llama-server (installed in this package) with a K/V cache type by name."""
+"""Start ott-gguf's patched llama-server (installed in this package) with K/V cache types by name."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._lib import bin_path
-from .kv_types import OTT_KV_TYPES, OttConfig, resolve_kv_type
+from .kv_types import OTT_KV_TYPES, OttConfig, kv_pair_name, resolve_kv_types
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,29 +26,35 @@ def server_command(
     model: str | Path,
     *,
     kv_type: str = "f16",
+    type_k: str | None = None,
+    type_v: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8080,
     extra: Sequence[str] = (),
     ott_config: OttConfig | None = None,
 ) -> list[str]:
-    """The llama-server command line: kv_type maps to -ctk/-ctv (and flash attention on), ott_config to
-    --ott-params."""
-    name = resolve_kv_type(kv_type)
+    """The llama-server command line: kv_type (one type, or "K/V"), with type_k/type_v over one side each, maps to
+    -ctk/-ctv (and flash attention on). With ott types, --ott-params carries ott_config (None: OttConfig(), the
+    configuration ott_gguf.Llama runs by default) unless extra sets --ott-params itself."""
+    k, v = resolve_kv_types(kv_type, type_k, type_v)
+    name = kv_pair_name(k, v)
+    ott = k in OTT_KV_TYPES
     if not Path(model).exists():
         raise FileNotFoundError(f"model file not found: {model}")
     for flag in ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"):
         if flag in extra:
-            raise ValueError(f"{flag} is set by --kv-type; do not pass it too")
+            raise ValueError(f"{flag} is set by --kv-type/--type-k/--type-v; do not pass it too")
     if ott_config is not None and "--ott-params" in extra:
         raise ValueError("--ott-params is set by ott_config; do not pass it too")
-    if ott_config is not None and name not in OTT_KV_TYPES:
+    if ott_config is not None and not ott:
         raise ValueError(f"ott_config applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {name!r}")
     cmd = [str(bin_path("llama-server")), "-m", str(model), "--host", host, "--port", str(port),
-           "-ctk", name, "-ctv", name, "-fa", "on"]  # fmt: skip
-    if ott_config is not None:
-        cmd += ["--ott-params", ",".join(str(v) for v in ott_config.native())]
-    if name in OTT_KV_TYPES and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):
-        # ott2 keeps one stream per sequence: tell the server, so each slot's context is n_ctx / n_slots
+           "-ctk", k, "-ctv", v, "-fa", "on"]  # fmt: skip
+    if ott and (ott_config is not None or "--ott-params" not in extra):
+        # G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS,V_ROTATE: Python's defaults, not the C ones, when none is given
+        cmd += ["--ott-params", ",".join(str(x) for x in (ott_config or OttConfig()).native())]
+    if ott and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):
+        # the ott cache keeps one stream per sequence: tell the server, so each slot's context is n_ctx / n_slots
         # (llama-server forces a unified cache when the slot count is left on auto, so name it: 4, its auto value)
         cmd.append("--no-kv-unified")
         if not {"-np", "--parallel"} & set(extra):
@@ -114,6 +120,8 @@ def start(
     model: str | Path,
     *,
     kv_type: str = "f16",
+    type_k: str | None = None,
+    type_v: str | None = None,
     host: str = "127.0.0.1",
     port: int | None = None,
     extra: Sequence[str] = (),
@@ -121,5 +129,5 @@ def start(
 ) -> Server:
     """Start llama-server on host:port (a free port when None) and return without waiting for health."""
     port = free_port(host) if port is None else port
-    cmd = server_command(model, kv_type=kv_type, host=host, port=port, extra=extra)
+    cmd = server_command(model, kv_type=kv_type, type_k=type_k, type_v=type_v, host=host, port=port, extra=extra)
     return Server(cmd, host, port, log)

@@ -1,4 +1,4 @@
-"""The ott2 cache's CUDA ops (gen/templates/ott_cuda_ops.j2) driven from Python, for the tests.
+"""The ott caches' CUDA ops (gen/templates/ott_cuda_ops.j2) driven from Python, for the tests.
 
 Two builds of the same template: the CPU emulation (C++, blocks and threads as loops; runs everywhere) and the
 CUDA rendering with its test entry points (needs nvcc to build and a GPU to run). Both take one layer's tensors
@@ -27,6 +27,7 @@ CDEF = """
 typedef struct {
     int32_t D, H, n_head, T, S, NG, NS, ns, n_tok, n_stream, outlier_num, aux_cap;
     float scale;
+    int32_t v_rotate;
     const float * q; const float * k; const float * v;
     uint16_t * ring; uint8_t * sk; uint8_t * sv; uint16_t * pkv; int32_t * pmeta; const int32_t * plan;
     int32_t * flags; float * part; float * out; uint16_t * scratch;
@@ -34,8 +35,14 @@ typedef struct {
 """
 
 
-def head_tag(bits: int, G: int, Gv: int) -> str:
-    return f"h{bits}g{G}v{Gv}"
+def head_tag(kbits: int, vbits: int, G: int, Gv: int) -> str:
+    """The generator's name of a head config (gen/generate.py HeadConfig.tag)."""
+    return f"k{kbits}v{vbits}g{G}x{Gv}"
+
+
+def head_spec(kbits: int, vbits: int, G: int, Gv: int) -> str:
+    """A head config as the generator's --cuda-heads item."""
+    return f"{kbits}/{vbits}:{G}:{Gv}"
 
 
 def generate(out: Path, heads: str) -> Path:
@@ -91,7 +98,8 @@ def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "nativ
 
 @dataclass
 class LayerState:
-    """One layer's ott2 tensors for n_stream streams, H KV heads of dimension D (the cache's layouts)."""
+    """One layer's ott tensors for n_stream streams, H KV heads of dimension D (the cache's layouts); the K/V
+    widths and v_rotate come from cfg."""
 
     cfg: ref.OttConfig
     outlier_num: int
@@ -109,8 +117,8 @@ class LayerState:
         self.T = c.R + c.G
         self.S = self.outlier_num + c.aux_cap
         self.NG = (self.n_ctx + c.G - 1) // c.G
-        self.KB = 4 + c.G * c.bits // 8
-        self.VB = 4 + c.Gv * c.bits // 8
+        self.KB = c.k_format.block_bytes
+        self.VB = c.v_format.block_bytes
         self.arrays = {
             "ring": np.zeros((2 * ns, self.T, H, D), np.uint16),
             "sk": np.zeros((ns, H, self.NG, D * self.KB), np.uint8),
@@ -137,6 +145,7 @@ class LayerState:
         a.D, a.H, a.n_head, a.T, a.S, a.NG = self.D, self.H, self.n_head, self.T, self.S, self.NG
         a.NS, a.ns, a.n_tok, a.n_stream = NS, plan.shape[0], n_tok, self.n_stream
         a.outlier_num, a.aux_cap, a.scale = self.outlier_num, self.cfg.aux_cap, 1.0 / math.sqrt(self.D)
+        a.v_rotate = int(self.cfg.v_rotate)
         a.q, a.k, a.v = ptr("float *", q), ptr("float *", k), ptr("float *", v)
         A = self.arrays
         a.ring, a.sk, a.sv = ptr("uint16_t *", A["ring"]), ptr("uint8_t *", A["sk"]), ptr("uint8_t *", A["sv"])

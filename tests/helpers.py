@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,9 @@ from native_kernels import PoolArrays, SealResult
 
 from ott_gguf import quantizer as Q
 from ott_gguf import reference as ref
+from ott_gguf.cli import main
 from ott_gguf.evaluate import eval_logits, kl_divergence  # noqa: F401 (the K/V quality tests import them from here)
+from ott_gguf.kv_types import resolve_kv_types
 from ott_gguf.server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,14 +184,54 @@ def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, n
     return k, v
 
 
+# --- the `ott-gguf` command line, in-process ------------------------------------------------------------------
+# one thread: on this 2-core machine, shared with other work, llama.cpp's two spinning threads slow down badly
+THREADS = "1"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int | str | None, str, str]:
+    """main(argv) in-process: (exit code or SystemExit's message, stdout, stderr)."""
+    try:
+        code: int | str | None = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def is_kv_type(cell: str) -> bool:
+    """A type name or a K/V pair of them (ott3/ott2)."""
+    try:
+        resolve_kv_types(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The printed table (header line starting with kv_type, columns 2+ spaces apart): kv_type -> column -> cell."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("kv_type "))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 1 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if not line.strip() or not is_kv_type(cells[0]):
+            break
+        rows[cells[0]] = dict(zip(header, cells, strict=False))
+    return rows
+
+
 # --- the `ott-gguf serve` console command --------------------------------------------------------------------
 
 
 @contextmanager
-def serving(model: Path, kv_type: str, n_ctx: int, log: Path, extra: Sequence[str] = ()) -> Iterator[Server]:
-    """`ott-gguf serve` on a free port, waited for until healthy, stopped when the block ends."""
+def serving(model: Path, kv_type: str, n_ctx: int, log: Path, extra: Sequence[str] = (),
+            options: Sequence[str] = ()) -> Iterator[Server]:  # fmt: skip
+    """`ott-gguf serve` on a free port, waited for until healthy, stopped when the block ends; options go to
+    `ott-gguf serve`, extra to llama-server."""
     port = free_port()
-    cmd = [str(OTT_GGUF), "serve", str(model), "--kv-type", kv_type, "--port", str(port),
+    cmd = [str(OTT_GGUF), "serve", str(model), "--kv-type", kv_type, "--port", str(port), *options,
            "--", "-c", str(n_ctx), "-t", "2", *extra]  # fmt: skip
     srv = Server(cmd, "127.0.0.1", port, log=log)
     try:

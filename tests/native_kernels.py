@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 
@@ -37,20 +38,23 @@ _ffi.cdef(
     typedef int (*ott_seal_fn)(int D, uint16_t * gk, uint16_t * gv, int32_t pos0, int outlier_num, int aux_cap,
             ott_slot_meta * pool_meta, uint16_t * pool_k, uint16_t * pool_v, int * n_pool,
             ott_slot_meta * aux_meta, uint16_t * aux_k, uint16_t * aux_v, int * n_aux, int * tracing,
-            void * kq, void * vq);
+            int vrot, void * kq, void * vq);
     typedef void (*ott_attn_fn)(int D, const float * q, int32_t q_pos, float scale,
             int n_sealed, const void * kq, const void * vq,
             int n_pooled, const int32_t * pooled_pos, const uint16_t * pooled_k, const uint16_t * pooled_v,
             int n_tail, int32_t tail_pos0, const uint16_t * tail_k, const uint16_t * tail_v, int tail_stride,
-            float * out);
+            int vrot, float * out);
     typedef void (*ott_attn_group_fn)(int D, int n_rows, const float * q, float scale, const void * kq,
             const void * vq, int n_cover, const int32_t * cover_j, const uint16_t * cover_k, const uint16_t * cover_v,
-            float * M, float * L, float * acc, void * scratch);
+            int vrot, float * M, float * L, float * acc, void * scratch);
     typedef void (*ott_attn_tail_fn)(int D, int n_rows, const float * q, const int32_t * q_pos, float scale,
             int n_t, int32_t pos0, const uint16_t * tk, const uint16_t * tv, int stride,
             float * M, float * L, float * acc, void * scratch);
+    typedef void (*ott_unseal_fn)(int D, const void * kq, const void * vq, int n_keep, uint16_t * out_k,
+            uint16_t * out_v);
     typedef struct {
-        int bits;
+        int kbits;
+        int vbits;
         int G;
         int Gv;
         const char * isa;
@@ -60,6 +64,8 @@ _ffi.cdef(
         ott_attn_fn attn;
         ott_attn_group_fn attn_group;
         ott_attn_tail_fn attn_tail;
+        ott_unseal_fn unseal;
+        void (*unrotate)(int D, float * x);
     } ott_head_kernel;
     const ott_head_kernel * ott_head_kernels(int * n);
     int ott_cpu_supports(const char * isa);
@@ -151,15 +157,21 @@ def _u16(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class HeadKernelSet:
-    """The per-head seal and attention kernels of the ott2 cache for one (bits, G, Gv) and ISA."""
+    """The per-head seal and attention kernels of the ott caches for one (K bits, V bits, G, Gv) and ISA; vrot:
+    V stored rotated (docs/design-ott2-cache.md, "Rotated values")."""
 
-    bits: int
+    kbits: int
+    vbits: int
     G: int
     Gv: int
     isa: str
     k_block_bytes: int
     v_block_bytes: int
     _k: object
+    vrot: bool = False
+
+    def with_vrot(self, vrot: bool) -> HeadKernelSet:
+        return dataclasses.replace(self, vrot=vrot)
 
     def seal(
         self,
@@ -201,7 +213,7 @@ class HeadKernelSet:
             D, _ffi.cast(u16, _ffi.from_buffer(gk16)), _ffi.cast(u16, _ffi.from_buffer(gv16)), pos0, outlier_num,
             aux_cap, pm, _ffi.cast(u16, _ffi.from_buffer(pk)), _ffi.cast(u16, _ffi.from_buffer(pv)), pn,
             am, _ffi.cast(u16, _ffi.from_buffer(ak)), _ffi.cast(u16, _ffi.from_buffer(av)), an, tr,
-            _ffi.from_buffer(kq), _ffi.from_buffer(vq),
+            int(self.vrot), _ffi.from_buffer(kq), _ffi.from_buffer(vq),
         )  # fmt: skip
 
         def back(meta: object, k: np.ndarray, v: np.ndarray, n: object) -> PoolArrays:
@@ -244,9 +256,20 @@ class HeadKernelSet:
             D, _ptr(q, "float *"), q_pos, scale, n_sealed, _ffi.from_buffer(kq), _ffi.from_buffer(vq),
             len(ppos), _ffi.cast("int32_t *", _ffi.from_buffer(ppos)), _ffi.cast(u16, _ffi.from_buffer(pk)),
             _ffi.cast(u16, _ffi.from_buffer(pv)), tk.shape[0], tail_pos0, _ffi.cast(u16, _ffi.from_buffer(tk)),
-            _ffi.cast(u16, _ffi.from_buffer(tv)), D, _ffi.cast("float *", _ffi.from_buffer(out)),
+            _ffi.cast(u16, _ffi.from_buffer(tv)), D, int(self.vrot), _ffi.cast("float *", _ffi.from_buffer(out)),
         )  # fmt: skip
         return out
+
+    def unseal(self, kq: np.ndarray, vq: np.ndarray, D: int, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first n_keep tokens of one sealed group as fp16 (K, V) rows (n_keep, D), rotated V turned back."""
+        k = np.zeros((max(n_keep, 1), D), np.uint16)
+        v = np.zeros((max(n_keep, 1), D), np.uint16)
+        kq = np.ascontiguousarray(kq, np.uint8)
+        vq = np.ascontiguousarray(vq, np.uint8)
+        u16 = "uint16_t *"
+        self._k.unseal(D, _ffi.from_buffer(kq), _ffi.from_buffer(vq), n_keep, _ffi.cast(u16, _ffi.from_buffer(k)),
+                       _ffi.cast(u16, _ffi.from_buffer(v)))  # fmt: skip
+        return k[:n_keep].view(np.float16), v[:n_keep].view(np.float16)
 
     def attn_rows(
         self,
@@ -265,7 +288,7 @@ class HeadKernelSet:
     ) -> np.ndarray:
         """Query rows (n, D) at positions q_pos over one head's state with the multi-row kernels the cache's
         attention op uses (int8 query on the codes, one online-softmax state per row), driven group by group
-        and then tail tile by tail tile as the op drives them."""
+        and then tail tile by tail tile as the op drives them (rotated V: turned back between the two)."""
         q = np.ascontiguousarray(q, np.float32)
         n_rows, D = q.shape
         qp = np.ascontiguousarray(q_pos, np.int32)
@@ -288,8 +311,11 @@ class HeadKernelSet:
                 D, n_rows, _ptr(q, f32), scale, _ffi.from_buffer(kq[g * kbytes : (g + 1) * kbytes]),
                 _ffi.from_buffer(vq[g * vbytes : (g + 1) * vbytes]), len(sel),
                 _ffi.cast("int32_t *", _ffi.from_buffer(cj)), _ffi.cast(u16, _ffi.from_buffer(ck)),
-                _ffi.cast(u16, _ffi.from_buffer(cv)), *state,
+                _ffi.cast(u16, _ffi.from_buffer(cv)), int(self.vrot), *state,
             )  # fmt: skip
+        if self.vrot:  # the sealed groups' states are in the rotated basis: turned back once per row (the merge)
+            for r in range(n_rows):
+                self._k.unrotate(D, _ffi.cast(f32, _ffi.from_buffer(acc[r])))
         tk, tv = _u16(tail_k).reshape(-1, D), _u16(tail_v).reshape(-1, D)
         for t0 in range(0, tk.shape[0], self.G):
             k_t, v_t = np.ascontiguousarray(tk[t0 : t0 + self.G]), np.ascontiguousarray(tv[t0 : t0 + self.G])
@@ -314,7 +340,9 @@ class Kernels:
         ]
         heads = self._lib.ott_head_kernels(n)
         self._heads = [
-            HeadKernelSet(t.bits, t.G, t.Gv, _ffi.string(t.isa).decode(), int(t.k_block_bytes), int(t.v_block_bytes), t)
+            HeadKernelSet(
+                t.kbits, t.vbits, t.G, t.Gv, _ffi.string(t.isa).decode(), int(t.k_block_bytes), int(t.v_block_bytes), t
+            )
             for t in (heads[i] for i in range(n[0]))
         ]
 
@@ -327,14 +355,15 @@ class Kernels:
         return sorted({(k.bits, k.group) for k in self._sets})
 
     @property
-    def head_configs(self) -> list[tuple[int, int, int]]:
-        return sorted({(h.bits, h.G, h.Gv) for h in self._heads})
+    def head_configs(self) -> list[tuple[int, int, int, int]]:
+        """(K bits, V bits, G, Gv) of every generated head config."""
+        return sorted({(h.kbits, h.vbits, h.G, h.Gv) for h in self._heads})
 
-    def head(self, bits: int, G: int, Gv: int, isa: str) -> HeadKernelSet:
+    def head(self, kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False) -> HeadKernelSet:
         for h in self._heads:
-            if (h.bits, h.G, h.Gv, h.isa) == (bits, G, Gv, isa):
-                return h
-        raise KeyError(f"no head kernels for bits={bits}, G={G}, Gv={Gv}, isa={isa}")
+            if (h.kbits, h.vbits, h.G, h.Gv, h.isa) == (kbits, vbits, G, Gv, isa):
+                return h.with_vrot(vrot)
+        raise KeyError(f"no head kernels for K {kbits} bits, V {vbits} bits, G={G}, Gv={Gv}, isa={isa}")
 
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -10,36 +9,11 @@ import pytest
 from ott_gguf import _lib, build_info, info
 from ott_gguf import evaluate as evaluate_mod
 from ott_gguf import reference as ref
-from ott_gguf.cli import main
 from ott_gguf.kv_types import KV_TYPES
 
+from helpers import THREADS, run_cli, table
+
 MIB = 1 << 20
-# one thread: on this 2-core machine, shared with other work, llama.cpp's two spinning threads slow down badly
-THREADS = "1"
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int | str | None, str, str]:
-    """main(argv) in-process: (exit code or SystemExit's message, stdout, stderr)."""
-    try:
-        code: int | str | None = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def table(out: str) -> dict[str, dict[str, str]]:
-    """The printed table (header line starting with kv_type, columns 2+ spaces apart): kv_type -> column -> cell."""
-    lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("kv_type "))
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 1 :]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if not line.strip() or cells[0] not in KV_TYPES:
-            break
-        rows[cells[0]] = dict(zip(header, cells, strict=False))
-    return rows
 
 
 def png_written(path: Path) -> bool:

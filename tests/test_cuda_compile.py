@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,17 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, require_tool
+
+ARCHS = ["sm_75", "sm_86", "sm_89"]
+# K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs
+TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64"]
+
+
+def spec_tag(spec: str) -> str:
+    """gen/generate.py's tag of a K/V:G:Gv (or B:G:Gv) head spec."""
+    b, g, gv = spec.split(":")
+    kb, _, vb = b.partition("/")
+    return f"k{kb}v{vb or kb}g{g}x{gv}"
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +30,7 @@ def cuda_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) -> None:
     require_tool("nvcc", hint="the CUDA toolkit")
     obj = tmp_path / f"ott-{arch}.o"
@@ -46,16 +58,18 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
         assert f"ott_cuda_dequantize_{tag}" in syms and f"ott_cuda_quantize_{tag}" in syms
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
-    program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture."""
+    program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture:
+    one file per head config, configs that between them have every K width and every V width."""
     require_tool("nvcc", hint="the CUDA toolkit")
     src = tmp_path / "gen"
     subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
-                    "--cuda-heads", "2:128:64,4:128:64"], check=True)  # fmt: skip
+                    "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
     lib = tmp_path / "libott_cuda_test.so"
-    srcs = [str(src / "ott2-cuda-h2g128v64.cu"), str(src / "ott2-cuda-h4g128v64.cu")]
+    tags = [spec_tag(h) for h in TEST_HEADS]
+    srcs = [str(src / f"ott2-cuda-{t}.cu") for t in tags]
     res = subprocess.run(
         ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler", "-fPIC",
          "-Werror", "all-warnings", "-I", str(src), *srcs, "-o", str(lib)],
@@ -64,16 +78,18 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     syms = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
-    for tag in ("h2g128v64", "h4g128v64"):
+    for tag in tags:
         for fn in ("attn", "seal"):
             assert f"ott2_cuda_{tag}_{fn}" in syms and f"ott2_cudatest_{tag}_{fn}" in syms
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_89"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
-    """The ggml-cuda side of the ott2 ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
+    """The ggml-cuda side of the ott ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
     against the patched ggml-cuda headers), the build's generated kernels, and the patched ggml-cuda.cu whose
-    dispatch and supports_op call the glue."""
+    dispatch and supports_op call the glue. The generated kernels (ott2-cuda-ops.cu, every K/V width pair of the
+    build in one unit: the slow one) only for the first architecture; for the others the same template is compiled
+    per head config by test_cuda_ops_and_test_program_compile."""
     require_tool("nvcc", hint="the CUDA toolkit")
     from ott_gguf import build_info
 
@@ -82,17 +98,24 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     inc = ["-I", str(src / "ggml" / "src"), "-I", str(src / "ggml" / "include"), "-I", str(ROOT / "native" / "ggml"),
            "-I", str(gen)]  # fmt: skip
     syms = ""
-    units = (
+    ops = gen / "ott2-cuda-ops.cu"
+    units = [
         ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
-        ("ops", gen / "ott2-cuda-ops.cu"),
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
-    )
+    ]
+    with_ops = arch == ARCHS[0]
+    if with_ops:
+        units.append(("ops", ops))
+    ops_syms = ""
     for name, cu in units:
         obj = tmp_path / f"{name}.o"
         res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DGGML_USE_CUDA", *inc, str(cu),
                               "-o", str(obj)], capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 0, res.stderr[-4000:]
-        syms += subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+        syms += out
+        if name == "ops":
+            ops_syms = out
     for fn in (
         "ggml_cuda_op_ott_attn_part",
         "ggml_cuda_op_ott_attn",
@@ -100,6 +123,14 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
         "ggml_cuda_ott_supports_op",
     ):
         assert fn in syms
-    for fn in ("attn_part", "attn_merge", "seal"):
-        assert f"ott2_cuda_h2g128v64_{fn}" in syms
+    # the glue reaches the kernels of every head config the build renders (through ott2_cuda_find)
+    m = re.search(r"heads=([0-9/:]+(?:,[0-9/:]+)*)", ops.read_text().splitlines()[0])
+    assert m, "no head configs in the header line of ott2-cuda-ops.cu"
+    tags = [spec_tag(h) for h in m.group(1).split(",")]
+    assert len(tags) == 9  # ott2..4 K with ott2..4 V
+    for tag in tags:
+        for fn in ("attn_part", "attn_merge", "seal"):
+            assert f"U ott2_cuda_{tag}_{fn}" in syms  # referenced by the glue
+            if with_ops:
+                assert f" T ott2_cuda_{tag}_{fn}" in ops_syms  # and defined by the generated unit
     assert syms.count("U ggml_cuda_op_ott_attn_part") == 1  # referenced by the dispatch

@@ -23,20 +23,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cuda_ops import LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_tag
+from cuda_ops import CDEF, LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_spec, head_tag
 from native_build import built_lib
 
 from ott_gguf import reference as ref
 
 from helpers import keys_values, pack_group
 
-HEADS = [(2, 128, 64), (2, 64, 32), (4, 128, 64)]
+# (K bits, V bits, G, Gv) of the rendered head configs
+HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64)]
 TAGS = [head_tag(*h) for h in HEADS]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("cuda-gen"), ",".join(f"{b}:{g}:{gv}" for b, g, gv in HEADS))
+    return generate(tmp_path_factory.mktemp("cuda-gen"), ",".join(head_spec(*h) for h in HEADS))
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +51,35 @@ def has_gpu() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-# (bits, G, Gv), D, H, n_head, outlier_num, aux_cap: SmolLM2's head shape, Gemma 3's (D 256, one KV head),
-# kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group
+# (K bits, V bits, G, Gv), D, H, n_head, outlier_num, aux_cap, v_rotate: SmolLM2's head shape, Gemma 3's (D 256,
+# one KV head), kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group, K and V of different
+# widths (ott3 K with ott2 V), plain and with V stored rotated (one rotation unit per token at D 64, four at D 256)
 CASES = [
-    ((2, 128, 64), 64, 3, 9, 3, 32),
-    ((2, 128, 64), 256, 1, 4, 3, 32),
-    ((2, 128, 64), 64, 2, 4, 0, 32),
-    ((2, 128, 64), 64, 2, 4, 3, 1),
-    ((4, 128, 64), 64, 2, 4, 3, 32),
-    ((2, 64, 32), 64, 2, 6, 2, 8),
+    ((2, 2, 128, 64), 64, 3, 9, 3, 32, False),
+    ((2, 2, 128, 64), 256, 1, 4, 3, 32, False),
+    ((2, 2, 128, 64), 64, 2, 4, 0, 32, False),
+    ((2, 2, 128, 64), 64, 2, 4, 3, 1, False),
+    ((4, 4, 128, 64), 64, 2, 4, 3, 32, False),
+    ((2, 2, 64, 32), 64, 2, 6, 2, 8, False),
+    ((3, 2, 128, 64), 64, 2, 4, 3, 32, False),
+    ((3, 2, 128, 64), 64, 2, 4, 3, 32, True),
+    ((3, 2, 128, 64), 256, 1, 2, 3, 32, True),
 ]
+
+
+def case_id(c: tuple) -> str:
+    return f"{head_tag(*c[0])}-D{c[1]}-H{c[2]}x{c[3]}-o{c[4]}a{c[5]}" + ("-vrot" if c[6] else "")
+
+
 # ubatch sizes; each step feeds both streams, "1" steps are decode (NS = 8 slices, as the cache uses)
 SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 
 def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
-    (bits, G, Gv), D, H, n_head, outlier_num, aux_cap = case
-    tag = head_tag(bits, G, Gv)
-    cfg = ref.OttConfig(bits=bits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap, no_outlier_layers=0)
+    (kbits, vbits, G, Gv), D, H, n_head, outlier_num, aux_cap, v_rotate = case
+    tag = head_tag(kbits, vbits, G, Gv)
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap,
+                        no_outlier_layers=0, v_rotate=v_rotate)  # fmt: skip
     rng = np.random.default_rng(seed)
     n_total = sum(SCHEDULE)
     n_stream = 2
@@ -100,6 +112,9 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
     assert s0.n_sealed >= 4
     if outlier_num:
         assert len(s0.pooled()) > 0
+    # the scales' sign bits (compared bit for bit above) flag rotated V: every unit here, or none
+    assert all(np.signbit(g.v_scale).all() == v_rotate and np.signbit(g.v_scale).any() == v_rotate
+               for g in s0.groups)  # fmt: skip
 
 
 def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int, h: int) -> None:
@@ -120,9 +135,56 @@ def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int,
     np.testing.assert_array_equal(rv.view(np.uint16), want.tail_v.view(np.uint16), err_msg="ring V")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{head_tag(*c[0])}-D{c[1]}-H{c[2]}x{c[3]}-o{c[4]}a{c[5]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_emulated_cuda_ops_match_reference(emu: OpsLib, case: tuple) -> None:
     run_scenario(emu, case)
+
+
+def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
+    """v_rotate with a token whose rotated values overflow the fp16 scale: that unit alone is stored unrotated
+    (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
+    kbits, vbits, G, Gv = 3, 2, 128, 64
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=3, aux_cap=8, no_outlier_layers=0,
+                        v_rotate=True)  # fmt: skip
+    D, H, n_head, n = 128, 1, 2, 2 * G + 40
+    st = LayerState(cfg, 3, D, H, n_head, n_stream=1, n_ctx=n + 8)
+    cache = ref.OttCache(cfg, 1, H, D)
+    rng = np.random.default_rng(7)
+    k, v = keys_values(rng, n, D)
+    v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16
+    v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
+    scale = 1.0 / math.sqrt(D)
+    start = 0
+    for m in (n - 3, 1, 2):
+        q = (rng.standard_normal((1, m, n_head, D)) * 0.5).astype(np.float32)
+        kk, vv = k[None, start : start + m, None], v[None, start : start + m, None]
+        got = st.step(emu, head_tag(kbits, vbits, G, Gv), [0], q, kk, vv, NS=8 if m == 1 else 1)
+        want = cache.process_ubatch(0, 0, q[0], kk[0], vv[0], np.arange(start, start + m), scale, int8_query=True)
+        assert want is not None
+        vmax = float(np.abs(cache.state(0, 0, 0).served()[2]).max())
+        np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
+        start += m
+        check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+    groups = cache.state(0, 0, 0).groups
+    assert len(groups) == 2
+    flags = np.signbit(groups[0].v_scale)  # (G, D/Gv): one block per unit here
+    assert not flags[5, 0] and flags[5, 1:].all() and flags[np.arange(G) != 5].all()
+    assert np.signbit(groups[1].v_scale).all()
+
+
+def test_cdef_matches_the_generated_header(sources: Path) -> None:
+    """cuda_ops.CDEF declares ott_cu_args field for field as the generated header (cffi would not notice)."""
+    text = (sources / "ott2-cuda.h").read_text()
+    m = re.search(r"typedef struct \{(.*?)\} ott_cu_args;", text, re.S)
+    assert m
+
+    def fields(body: str) -> list[str]:
+        body = re.sub(r"//[^\n]*", "", body)
+        return [" ".join(f.split()) for f in body.split(";") if f.strip()]
+
+    want = fields(m.group(1))
+    cdef = re.search(r"typedef struct \{(.*?)\} ott_cu_args;", CDEF, re.S)
+    assert cdef and fields(cdef.group(1)) == want
 
 
 def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
@@ -144,7 +206,7 @@ def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU and nvcc (run on a CUDA machine: make gpu-test)")
-@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"{head_tag(*c[0])}-D{c[1]}")
+@pytest.mark.parametrize("case", [*CASES[:3], *CASES[6:]], ids=case_id)  # the per-side widths plain and rotated
 def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
     lib = OpsLib(build_cuda_testlib(sources, TAGS, tmp_path), "cuda", TAGS)
     run_scenario(lib, case)

@@ -12,23 +12,24 @@ from ott_gguf import reference as ref
 from helpers import check_attention, keys_values, lockstep
 
 K = kernels()
-CASES = [(b, G, Gv, isa) for (b, G, Gv) in K.head_configs for isa in K.isas]
+CASES = [(kb, vb, G, Gv, isa) for (kb, vb, G, Gv) in K.head_configs for isa in K.isas]
 
 
-def head_set(bits: int, G: int, Gv: int, isa: str) -> HeadKernelSet:
+def head_set(kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False) -> HeadKernelSet:
     if not K.cpu_supports(isa):
         pytest.skip(f"this CPU cannot run {isa}")
-    return K.head(bits, G, Gv, isa)
+    return K.head(kbits, vbits, G, Gv, isa, vrot)
 
 
-@pytest.mark.parametrize("bits,G,Gv,isa", CASES)
-@pytest.mark.parametrize("outlier_num,aux_cap", [(3, 32), (0, 32), (2, 1)])
-def test_seal_and_attention_match_reference(bits: int, G: int, Gv: int, isa: str, outlier_num: int,
-                                            aux_cap: int) -> None:  # fmt: skip
-    hk = head_set(bits, G, Gv, isa)
-    D = 64
-    cfg = ref.OttConfig(bits=bits, G=G, R=32, Gv=Gv, outlier_num=outlier_num, aux_cap=aux_cap)
-    rng = np.random.default_rng(bits * 7 + G + Gv + outlier_num)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,isa", CASES)
+@pytest.mark.parametrize("outlier_num,aux_cap,vrot", [(3, 32, False), (0, 32, False), (2, 1, False), (3, 32, True)])
+def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: int, isa: str, outlier_num: int,
+                                            aux_cap: int, vrot: bool) -> None:  # fmt: skip
+    hk = head_set(kbits, vbits, G, Gv, isa, vrot)
+    D = 128 if vrot else 64  # two rotation units per token
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=outlier_num, aux_cap=aux_cap,
+                        v_rotate=vrot)  # fmt: skip
+    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num)
     n = 5 * G + 40
     k, v = keys_values(rng, n, D)
     if aux_cap == 1:
@@ -44,7 +45,7 @@ def test_seal_and_attention_match_reference(bits: int, G: int, Gv: int, isa: str
 @pytest.mark.parametrize("isa", K.isas)
 def test_ties_and_constant_groups(isa: str) -> None:
     """Equal scores (ties go to the earlier position) and constant channels (scale 0) in every field."""
-    hk = head_set(2, 64, 32, isa)
+    hk = head_set(2, 2, 64, 32, isa)
     cfg = ref.OttConfig(bits=2, G=64, R=32, Gv=32, outlier_num=3, aux_cap=8)
     rng = np.random.default_rng(0)
     n, D = 4 * 64 + 40, 64
@@ -59,7 +60,7 @@ def test_ties_and_constant_groups(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", K.isas)
 def test_planted_outlier_is_caught(isa: str) -> None:
-    hk = head_set(2, 128, 64, isa)
+    hk = head_set(2, 2, 128, 64, isa)
     cfg = ref.OttConfig()
     rng = np.random.default_rng(1)
     n, D = 3 * 128 + 32, 64
@@ -71,6 +72,44 @@ def test_planted_outlier_is_caught(isa: str) -> None:
     st, nat = lockstep(hk, cfg, 3, k, v, [n])
     assert 200 in st.pool.pos.tolist() and 200 in nat.pool.pos.tolist()
     check_attention(hk, st, nat, rng)
+
+
+@pytest.mark.parametrize("isa", K.isas)
+@pytest.mark.parametrize("Gv", [32, 64])
+def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
+    """A token whose rotated values overflow the fp16 scale is stored unrotated in that unit only (scale sign bit
+    clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
+    hk = head_set(3, 2, 128, 64, isa, vrot=True) if Gv == 64 else head_set(2, 2, 64, 32, isa, vrot=True)
+    G = hk.G
+    cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True)
+    rng = np.random.default_rng(Gv)
+    n, D = 2 * G + 40, 128
+    k, v = keys_values(rng, n, D)
+    v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16
+    v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
+    st, nat = lockstep(hk, cfg, 3, k, v, [n])
+    flags = np.signbit(st.groups[0].v_scale)  # (G, D/Gv)
+    per_unit = 64 // Gv if Gv < 64 else 1
+    assert not flags[5, :per_unit].any() and flags[5, per_unit:].all()
+    assert flags[np.arange(G) != 5].all()
+    check_attention(hk, st, nat, rng)
+
+
+@pytest.mark.parametrize("isa", K.isas)
+@pytest.mark.parametrize("vrot", [False, True])
+def test_unseal_matches_reference_truncation(isa: str, vrot: bool) -> None:
+    """The host-side unseal (a cut inside a sealed group) gives the reference's served K/V of the kept tokens."""
+    hk = head_set(3, 2, 128, 64, isa, vrot)
+    cfg = ref.OttConfig(k_bits=3, v_bits=2, outlier_num=3, aux_cap=8, v_rotate=vrot)
+    rng = np.random.default_rng(5)
+    n, D = 2 * 128 + 40, 128
+    k, v = keys_values(rng, n, D)
+    st, nat = lockstep(hk, cfg, 3, k, v, [n])
+    g, n_keep = 1, 77
+    uk, uv = hk.unseal(nat.kq[g], nat.vq[g], D, n_keep)
+    k_hat, v_hat = ref.dequantize_group(st.groups[g], cfg)
+    np.testing.assert_array_equal(uk.view(np.uint16), k_hat[:n_keep].astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(uv.view(np.uint16), v_hat[:n_keep].astype(np.float16).view(np.uint16))
 
 
 def test_every_x86_isa_was_run() -> None:

@@ -22,7 +22,7 @@ def greedy(llm: Llama, prompt: str = PROMPT, n: int = 24) -> str:
 def test_loaded_library_is_ours() -> None:
     assert Path(ott_gguf.loaded_library_path()).resolve().parent == LIB_DIR.resolve()
     info = ott_gguf.llama_ott_build_info()  # only the patched libllama exports this
-    assert info.startswith("ott-gguf ") and "ott caches: 2-bit codes, G=128" in info
+    assert info.startswith("ott-gguf ") and "ott caches: K and V codes of 2, 3 or 4 bits, G=128" in info
 
 
 def test_the_ott_types_of_python_are_the_librarys() -> None:
@@ -76,8 +76,8 @@ def test_unknown_keyword_is_not_ignored(smollm2: Path) -> None:
 def test_quantized_kv_needs_flash_attention(smollm2: Path) -> None:
     with pytest.raises(ValueError, match="flash attention"):
         Llama(str(smollm2), kv_type="q4_0", flash_attn=False)
-    with pytest.raises(ValueError, match="kv_type"):
-        Llama(str(smollm2), type_k=8, type_v=8)
+    with pytest.raises(ValueError, match="type_k='f16', type_v='q8_0'.*flash attention"):
+        Llama(str(smollm2), type_v=8, flash_attn=False)  # one quantized side is enough
 
 
 def test_pickle_keeps_kv_type(smollm2: Path) -> None:
@@ -85,6 +85,8 @@ def test_pickle_keeps_kv_type(smollm2: Path) -> None:
     clone = pickle.loads(pickle.dumps(llm))
     assert clone.kv_type == "q4_0"
     assert clone.context_params.type_k == llm.context_params.type_k
+    mixed = pickle.loads(pickle.dumps(Llama(str(smollm2), type_k="q8_0", type_v="q4_0", n_ctx=256, verbose=False)))
+    assert (mixed.kv_type, mixed.kv_type_k, mixed.kv_type_v) == ("q8_0/q4_0", "q8_0", "q4_0")
 
 
 # --- drop-in behaviour with the ott2 cache ---------------------------------------------------------------------
@@ -191,7 +193,8 @@ def test_embeddings_with_an_ott_type_say_what_to_use(smollm2: Path) -> None:
 
 def test_a_context_the_ott_cache_refuses_says_why(smollm2: Path) -> None:
     """llama_init_from_model only logs why the cache refused and returns NULL: the reason is kept for the caller
-    (llama_ott_last_error), here for mixed ott types through llama-cpp-python's own Llama."""
+    (llama_ott_last_error), here for an ott type with a kivi type through llama-cpp-python's own Llama (which,
+    unlike ott_gguf.Llama, does not check the pair first)."""
     import llama_cpp
 
     ids = ott_gguf._lib.ott_kv_type_ids()
@@ -199,4 +202,7 @@ def test_a_context_the_ott_cache_refuses_says_why(smollm2: Path) -> None:
         with ott_gguf._lib.thread_config(ott_gguf.OttConfig()):
             llama_cpp.Llama(str(smollm2), n_ctx=512, flash_attn=True, verbose=False, type_k=ids["ott2"],
                             type_v=ids["kivi2"])  # fmt: skip
-    assert "must be the same ott type (one of ott2, kivi2)" in ott_gguf._lib.last_error()
+    assert ott_gguf._lib.last_error() == (
+        "ott: K and V must both be ott types (ott2, ott3, ott4) or both kivi types (kivi2, kivi3, kivi4), in any "
+        "widths; got K ott2 and V kivi2"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +17,30 @@ from ott_gguf import reference as ref
 from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
 
 CONFIGS = [(2, 32), (2, 64), (2, 128), (3, 64), (4, 64)]
-HEADS = [(2, 128, 64), (2, 64, 32), (3, 128, 64), (4, 128, 64)]
+# (K bits, V bits, G, Gv): the generator's default head configs (`kernels --arch aarch64`, which the driver is built
+# from; test_driver_has_the_generated_heads checks the two agree)
+HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (2, 2, 32, 32), (3, 3, 128, 64), (4, 4, 128, 64), (3, 2, 128, 64),
+         (2, 3, 128, 64), (4, 2, 128, 64)]  # fmt: skip
+# V stored rotated (qemu is slow: two configs): a per-side width pair, and one with Gv below the rotation block
+# whose test also plants a unit that falls back to unrotated
+VROT_HEADS = [(3, 2, 128, 64), (2, 2, 64, 32)]
+HEAD_CASES = [pytest.param(*h, False, id=f"k{h[0]}v{h[1]}g{h[2]}x{h[3]}") for h in HEADS] + [
+    pytest.param(*h, True, id=f"k{h[0]}v{h[1]}g{h[2]}x{h[3]}-vrot") for h in VROT_HEADS
+]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("neon") / "gen"
+
+
+@pytest.fixture(scope="module")
+def driver(gen_dir: Path) -> Path:
     require_tool(CC, QEMU, hint="apt-get install gcc-aarch64-linux-gnu qemu-user; .ci/run installs them")
-    out = tmp_path_factory.mktemp("neon")
-    gen = out / "gen"
+    gen = gen_dir
+    out = gen.parent
     cfg = ",".join(f"{b}:{g}" for b, g in CONFIGS)
     subprocess.run(
         [
@@ -107,14 +122,27 @@ def test_aarch64_kernels_match_numpy(driver: Path, bits: int, group: int, isa: s
     assert abs(got_dot - want_dot) <= 1e-5 * mag
 
 
-class QemuHead:
-    """The per-head kernels of the aarch64 driver, run under qemu-user, behind the cffi kernels' interface."""
+def test_driver_has_the_generated_heads(driver: Path, gen_dir: Path) -> None:
+    """HEADS is what the generator renders for aarch64 by default (the head table the driver was built with)."""
+    line = (gen_dir / "ott-kernels-table.c").read_text().splitlines()[0]
+    m = re.search(r"heads=([^)]*)\)", line)
+    assert m, line
+    specs = [s.split(":") for s in m.group(1).split(",")]
+    got = [(int(b.partition("/")[0]), int(b.partition("/")[2] or b), int(g), int(gv)) for b, g, gv in specs]
+    assert got == HEADS
 
-    def __init__(self, driver: Path, bits: int, G: int, Gv: int, isa: str, tmp: Path) -> None:
-        self.driver, self.args, self.tmp = driver, [str(bits), str(G), str(Gv), isa], tmp
-        self.G, self.Gv = G, Gv
-        self.k_block_bytes = Q.BlockFormat(bits, G).block_bytes
-        self.v_block_bytes = Q.BlockFormat(bits, Gv).block_bytes
+
+class QemuHead:
+    """The per-head kernels of the aarch64 driver, run under qemu-user, behind the cffi kernels' interface
+    (native_kernels.HeadKernelSet); vrot: V stored rotated."""
+
+    def __init__(self, driver: Path, kbits: int, vbits: int, G: int, Gv: int, isa: str, tmp: Path,
+                 vrot: bool = False) -> None:  # fmt: skip
+        self.driver, self.tmp = driver, tmp
+        self.args = [str(kbits), str(vbits), str(G), str(Gv), isa, str(int(vrot))]
+        self.kbits, self.vbits, self.G, self.Gv, self.isa, self.vrot = kbits, vbits, G, Gv, isa, vrot
+        self.k_block_bytes = Q.BlockFormat(kbits, G).block_bytes
+        self.v_block_bytes = Q.BlockFormat(vbits, Gv).block_bytes
 
     def _run(self, op: str, payload: bytes) -> bytes:
         src, dst = self.tmp / f"head-{op}.in", self.tmp / f"head-{op}.out"
@@ -191,14 +219,25 @@ class QemuHead:
 
 
 @pytest.mark.parametrize("isa", ["neon", "scalar"])
-@pytest.mark.parametrize("bits,G,Gv", HEADS)
-def test_aarch64_head_kernels_match_reference(driver: Path, bits: int, G: int, Gv: int, isa: str,
-                                              tmp_path: Path) -> None:  # fmt: skip
-    hk = QemuHead(driver, bits, G, Gv, isa, tmp_path)
-    cfg = ref.OttConfig(bits=bits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4)
-    rng = np.random.default_rng(bits + G + Gv)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,vrot", HEAD_CASES)
+def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: int, G: int, Gv: int, vrot: bool,
+                                              isa: str, tmp_path: Path) -> None:  # fmt: skip
+    hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot)
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4, v_rotate=vrot)
+    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv)
     n = 4 * G + 40
-    k, v = keys_values(rng, n, 64)
+    D = 128 if vrot else 64  # rotated: two rotation units per token
+    k, v = keys_values(rng, n, D)
+    fallback = vrot and Gv < 64
+    if fallback:
+        v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16, so stored unrotated
     st, nat = lockstep(hk, cfg, 3, k, v, [G + 5, n - G - 5])
     assert st.n_sealed >= 3
+    if vrot:  # the scales' sign bits flag rotated units (compared bit for bit by lockstep)
+        flags = np.concatenate([np.signbit(g.v_scale) for g in st.groups])  # (n_sealed*G, D/Gv)
+        if fallback:
+            per_unit = 64 // Gv
+            assert not flags[5, :per_unit].any() and flags[5, per_unit:].all()
+            flags = np.delete(flags, 5, axis=0)
+        assert flags.all()
     check_attention(hk, st, nat, rng)

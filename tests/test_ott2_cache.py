@@ -270,8 +270,8 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
 
 def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     """llama.cpp's own tools select kivi2 by name and take --ott-params (kivi2 keeps 0 outliers whatever the
-    parameters say); an unknown cache type, an invalid configuration and mixed ott types are refused with the
-    reason."""
+    parameters say), and K/V widths per side; an unknown cache type, an invalid configuration and an ott type
+    with a kivi or stock type are refused with the reason."""
     import subprocess
 
     text = tmp_path / "docs.txt"
@@ -288,15 +288,25 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "outliers=5" in next(s for s in out.stderr.splitlines() if "ott2 cache:" in s)
-    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott3"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "ott3" in bad.stderr
+    # per-side widths with rotated V (the 6th --ott-params value), named in the cache's line
+    out = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,16,3,32,2,1"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "K 3 bits, V 2 bits rotated" in next(s for s in out.stderr.splitlines() if "ott3/ott2 cache:" in s)
+    bad = subprocess.run([*base, "-ctk", "ott5", "-ctv", "ott5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "ott5" in bad.stderr
     # a configuration this build cannot run is refused with the reason, before any model is loaded
     bad = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,100000,3,32,2"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "--ott-params: R=100000 is outside" in bad.stderr
-    # different ott types on K and V are refused, naming the allowed ones
-    mixed = subprocess.run([*base, "-ctk", "ott2", "-ctv", "kivi2"], capture_output=True, text=True, timeout=120)
-    assert mixed.returncode != 0 and "must be the same ott type (one of ott2, kivi2)" in mixed.stderr
+    bad = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,2"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "v_rotate=2 must be 0 or 1" in bad.stderr
+    # an ott type with a kivi type or a stock type is refused, naming the allowed ones
+    for k, v in (("ott2", "kivi2"), ("ott3", "f16")):
+        mixed = subprocess.run([*base, "-ctk", k, "-ctv", v], capture_output=True, text=True, timeout=120)
+        assert mixed.returncode != 0
+        assert "must both be ott types (ott2, ott3, ott4) or both kivi types (kivi2, kivi3, kivi4)" in mixed.stderr
     # llama-bench: kivi2 by name too, a cache type of its own (no process-wide setting)
     bench = [str(_lib.bin_path("llama-bench")), "-m", str(smollm2), "-p", "16", "-n", "0", "-r", "1", "-t", "2"]
     ok = subprocess.run([*bench, "-ctk", "kivi2", "-ctv", "kivi2", "-v"], capture_output=True, text=True,
@@ -398,10 +408,11 @@ def test_kv_cache_info_reports_bytes_by_part_and_pool_slots(smollm2: Path, doc_t
     llm.eval(doc_tokens[:600])
     info = llm.kv_cache_info()
     assert info["positions"] == 600 and info["sealed"] == 512
-    head = kernels().head(2, 128, 64, "scalar")
-    n_layer, n_kv_head, D, G, Gv = 30, 3, 64, 128, 64  # SmolLM2-135M
+    head = kernels().head(2, 2, 128, 64, "scalar")
+    n_layer, n_kv_head, D, G, Gv, R = 30, 3, 64, 128, 64, 32  # SmolLM2-135M
     per_group = D * head.k_block_bytes + G * (D // Gv) * head.v_block_bytes
-    assert info["bytes"]["quantized"] == n_layer * n_kv_head * (8192 // G) * per_group
+    # room for the groups that can be sealed: a group is sealed once R newer tokens follow it
+    assert info["bytes"]["quantized"] == n_layer * n_kv_head * ((8192 - R) // G) * per_group
     assert info["total_bytes"] == sum(info["bytes"].values()) < 0.2 * 8192 * n_layer * n_kv_head * D * 2 * 2
     # 28 layers with outliers (no_outlier_layers=2), 3 slots per head at most; every group sealed so far competed
     assert 0 < info["outlier_slots"] <= 28 * n_kv_head * 3

@@ -374,7 +374,7 @@ def kivi_reference(cfg: OttConfig, q, k, v, cuts) -> tuple[np.ndarray, list[list
 )
 def test_outlier_num_zero_is_block_kivi(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
     """kivi2: outputs of every ubatch and the sealed codes equal an independent block-G KIVI with R..R+G-1 tail."""
-    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap)
+    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap, v_rotate=False)
     rng = np.random.default_rng(seed)
     H, nq, D = 2, 4, 64
     k, v = make_kv(rng, n, H, D, kind)
@@ -518,7 +518,7 @@ def test_split_outputs_differ_only_through_sealing() -> None:
 def test_constant_groups_zero_range_and_tie_order() -> None:
     """All tokens identical (and each V group constant): scale 0, codes 0, exact reconstruction; every score ties:
     the earliest positions win, also against later groups."""
-    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, no_outlier_layers=0)
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=3, no_outlier_layers=0, v_rotate=False)
     n, H, D = 200, 1, 64
     rng = np.random.default_rng(1)
     row_k = rng.standard_normal(D).astype(np.float16)
@@ -542,7 +542,7 @@ def test_constant_groups_zero_range_and_tie_order() -> None:
 
 def test_constant_channel_zero_range() -> None:
     """One constant channel among varying ones: that channel's scale is 0, its codes 0, nothing is NaN."""
-    cfg = OttConfig(G=32, R=0, Gv=32, no_outlier_layers=0)
+    cfg = OttConfig(G=32, R=0, Gv=32, no_outlier_layers=0, v_rotate=False)
     rng = np.random.default_rng(2)
     k, v = make_kv(rng, 64, 1, 64, "normal")
     k[:, 0, 9] = -3.5
@@ -887,7 +887,7 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
     n, H, D = 300, 1, 64
     k, v = make_kv(rng, n, H, D, "outlier_channels")
     v[:, :, 5] *= 40  # one large value channel: token-wise groups get a wide range
-    base = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=8, no_outlier_layers=0)
+    base = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=8, no_outlier_layers=0, v_rotate=False)
     states = {}
     for name, cfg in {"plain": base, "rot": dataclasses.replace(base, k_rotate=True, v_rotate=True)}.items():
         cache = OttCache(cfg, 1, H, D)
@@ -962,7 +962,10 @@ def test_without_v_rotate_every_v_scale_sign_bit_is_clear(kind: str) -> None:
     """Without v_rotate (rotated keys or not) V is stored as ever: no scale has its sign bit set."""
     rng = np.random.default_rng(7)
     k, v = make_kv(rng, 200, 2, 128, kind)
-    for cfg in (OttConfig(G=32, R=8, Gv=32, no_outlier_layers=0), OttConfig(G=32, R=8, Gv=64, k_rotate=True)):
+    for cfg in (
+        OttConfig(G=32, R=8, Gv=32, no_outlier_layers=0, v_rotate=False),
+        OttConfig(G=32, R=8, Gv=64, k_rotate=True, v_rotate=False),
+    ):
         cache = OttCache(cfg, 1, 2, 128)
         run(cache, 0, 0, None, k, v, [70])
         for h in range(2):
@@ -1033,7 +1036,7 @@ def test_config_and_input_validation() -> None:
         OttConfig(v_rotate=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="v_rotate needs Gv to be 32 or a multiple of 64"):
         OttConfig(Gv=96, v_rotate=True)
-    OttConfig(Gv=96), OttConfig(Gv=192, v_rotate=True)  # fine
+    OttConfig(Gv=96, v_rotate=False), OttConfig(Gv=192, v_rotate=True)  # fine
     with pytest.raises(ValueError, match=r"v_rotate needs the head dim to be a multiple of max\(Gv, 64\) = 64"):
         OttCache(OttConfig(Gv=32, v_rotate=True), 1, 1, 96)
     assert OttConfig(bits=3).kbits == OttConfig(bits=3).vbits == 3
@@ -1043,7 +1046,7 @@ def test_config_and_input_validation() -> None:
         z = np.zeros((1, 1, 64), np.float32)
         c.process_ubatch(0, 0, z, z, z, [0], int8_query=True)
     with pytest.raises(ValueError):
-        OttCache(OttConfig(Gv=64), 1, 1, 96)
+        OttCache(OttConfig(Gv=64, v_rotate=False), 1, 1, 96)
     assert OttConfig.kivi2().outlier_num == 0 and OttConfig().outliers_for_layer(1) == 0
     cache = OttCache(OttConfig(G=32, Gv=32), 1, 2, 64)
     z = np.zeros((2, 2, 64), np.float32)

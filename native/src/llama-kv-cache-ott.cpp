@@ -36,7 +36,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     const uint32_t n_layer = hparams.n_layer();
     const int32_t G = cfg.G, Gv = hk->Gv, T = cfg.R + cfg.G;
     const int32_t S = std::max<int32_t>(1, cfg.outlier_num + cfg.aux_cap);
-    const int32_t NG = ((int32_t) n_ctx_seq + G - 1) / G;
+    // a group is sealed once R newer tokens follow it, so n_ctx_seq positions seal at most (n_ctx_seq - R) / G
+    // groups; the rest stay in the ring (at least one group's room so that tensors are never empty)
+    const int32_t NG = std::max<int32_t>(1, ((int32_t) n_ctx_seq - cfg.R) / G);
 
     // a layer's cache lives on its layer's device (offloaded layers: their GPU), as llama_kv_cache places K/V
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;

@@ -3,9 +3,11 @@
 //   ott_kernel_driver BITS GROUP ISA quantize   IN(f32...)             OUT(blocks)
 //   ott_kernel_driver BITS GROUP ISA dequantize IN(blocks)             OUT(f32...)
 //   ott_kernel_driver BITS GROUP ISA vec_dot    IN(i64 n, blocks, q8_1) OUT(f32)
-//   ott_kernel_driver head BITS G GV ISA seal IN OUT   per-head seal (layouts: see head_seal below)
-//   ott_kernel_driver head BITS G GV ISA attn IN OUT   per-head attention (see head_attn below)
-//   ott_kernel_driver head BITS G GV ISA rows IN OUT   multi-row attention kernels (see head_rows below)
+//   ott_kernel_driver head KBITS VBITS G GV ISA VROT seal IN OUT   per-head seal (layouts: see head_seal below)
+//   ott_kernel_driver head KBITS VBITS G GV ISA VROT attn IN OUT   per-head attention (see head_attn below)
+//   ott_kernel_driver head KBITS VBITS G GV ISA VROT rows IN OUT   multi-row attention kernels (see head_rows below)
+// (head kernels: K codes of KBITS bits in blocks of G tokens, V codes of VBITS bits in blocks of GV channels;
+// VROT 1: V stored rotated, 0: plain)
 // Exit status 2 on bad usage or I/O, 3 when the kernel is not in the table.
 #include "ott-kernels.h"
 
@@ -59,7 +61,8 @@ static const void * take(reader * r, size_t n) {
 // IN:  int32 {D, pos0, outlier_num, aux_cap, n_pool, n_aux, tracing, 0}, gk, gv (G*D u16 each),
 //      pool: n_pool x {i32 pos, f32 score}, n_pool*D u16 K, n_pool*D u16 V; aux: the same with n_aux
 // OUT: int32 {n_won, n_pool, n_aux, tracing}, kq (D blocks), vq (G*D/Gv blocks), pool, aux (as in IN)
-static int head_seal(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+static int head_seal(const ott_head_kernel * k, int vrot, const unsigned char * in, size_t n_in,
+                     const char * out_path) {
     reader r = { in, in + n_in };
     int32_t h[8];
     memcpy(h, take(&r, sizeof(h)), sizeof(h));
@@ -82,7 +85,8 @@ static int head_seal(const ott_head_kernel * k, const unsigned char * in, size_t
     memcpy(av, take(&r, (size_t) n_aux*D*2), (size_t) n_aux*D*2);
     const size_t kq_n = (size_t) D*k->k_block_bytes, vq_n = (size_t) G*(D/k->Gv)*k->v_block_bytes;
     unsigned char * kq = malloc(kq_n), * vq = malloc(vq_n);
-    const int n_won = k->seal(D, gk, gv, h[1], h[2], h[3], pm, pk, pv, &n_pool, am, ak, av, &n_aux, &tracing, kq, vq);
+    const int n_won = k->seal(D, gk, gv, h[1], h[2], h[3], pm, pk, pv, &n_pool, am, ak, av, &n_aux, &tracing, vrot,
+                              kq, vq);
     FILE * f = fopen(out_path, "wb");
     if (!f) {
         return 0;
@@ -103,7 +107,8 @@ static int head_seal(const ott_head_kernel * k, const unsigned char * in, size_t
 // IN:  int32 {D, q_pos, n_sealed, n_pooled, n_tail, tail_pos0}, f32 scale, f32 q[D], kq, vq (n_sealed groups),
 //      i32 pooled_pos[n_pooled], u16 pooled_k, pooled_v [n_pooled*D], u16 tail_k, tail_v [n_tail*D]
 // OUT: f32 out[D]
-static int head_attn(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+static int head_attn(const ott_head_kernel * k, int vrot, const unsigned char * in, size_t n_in,
+                     const char * out_path) {
     reader r = { in, in + n_in };
     int32_t h[6];
     memcpy(h, take(&r, sizeof(h)), sizeof(h));
@@ -119,15 +124,16 @@ static int head_attn(const ott_head_kernel * k, const unsigned char * in, size_t
     const uint16_t * tk = take(&r, (size_t) h[4]*D*2);
     const uint16_t * tv = take(&r, (size_t) h[4]*D*2);
     float * out = malloc((size_t) D*4);
-    k->attn(D, q, h[1], scale, h[2], kq, vq, h[3], pp, pk, pv, h[4], h[5], tk, tv, D, out);
+    k->attn(D, q, h[1], scale, h[2], kq, vq, h[3], pp, pk, pv, h[4], h[5], tk, tv, D, vrot, out);
     return write_all(out_path, out, (size_t) D*4);
 }
 
 // IN:  int32 {D, n_rows, n_sealed, n_pooled, n_tail, tail_pos0}, f32 scale, f32 q[n_rows*D], i32 q_pos[n_rows],
 //      kq, vq, pooled and tail as for head_attn
-// OUT: f32 out[n_rows*D]: the multi-row kernels driven group by group, then tail tile by tail tile (as
-//      tests/native_kernels.py HeadKernelSet.attn_rows drives them)
-static int head_rows(const ott_head_kernel * k, const unsigned char * in, size_t n_in, const char * out_path) {
+// OUT: f32 out[n_rows*D]: the multi-row kernels driven group by group, then (rotated V: each row's acc turned
+//      back by unrotate) tail tile by tail tile, as tests/native_kernels.py HeadKernelSet.attn_rows drives them
+static int head_rows(const ott_head_kernel * k, int vrot, const unsigned char * in, size_t n_in,
+                     const char * out_path) {
     reader r = { in, in + n_in };
     int32_t h[6];
     memcpy(h, take(&r, sizeof(h)), sizeof(h));
@@ -164,7 +170,12 @@ static int head_rows(const ott_head_kernel * k, const unsigned char * in, size_t
                 nc++;
             }
         }
-        k->attn_group(D, n_rows, q, scale, kq + g*kbytes, vq + g*vbytes, nc, cj, ck, cv, M, L, acc, scratch);
+        k->attn_group(D, n_rows, q, scale, kq + g*kbytes, vq + g*vbytes, nc, cj, ck, cv, vrot, M, L, acc, scratch);
+    }
+    if (vrot) { // the sealed groups' states are in the rotated basis: turned back once per row
+        for (int i = 0; i < n_rows; ++i) {
+            k->unrotate(D, acc + (size_t) i*D);
+        }
     }
     for (int j0 = 0; j0 < n_tail; j0 += G) {
         const int n_t = n_tail - j0 < G ? n_tail - j0 : G;
@@ -180,36 +191,41 @@ static int head_rows(const ott_head_kernel * k, const unsigned char * in, size_t
 }
 
 static int head_main(int argc, char ** argv) {
-    if (argc != 9) {
-        fprintf(stderr, "usage: %s head BITS G GV ISA seal|attn IN OUT\n", argv[0]);
+    if (argc != 11) {
+        fprintf(stderr, "usage: %s head KBITS VBITS G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
         return 2;
     }
+    const int kbits = atoi(argv[2]), vbits = atoi(argv[3]), G = atoi(argv[4]), Gv = atoi(argv[5]);
+    const int vrot = atoi(argv[7]) != 0;
     int nk = 0;
     const ott_head_kernel * table = ott_head_kernels(&nk);
     const ott_head_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
-        if (table[i].bits == atoi(argv[2]) && table[i].G == atoi(argv[3]) && table[i].Gv == atoi(argv[4]) &&
-            strcmp(table[i].isa, argv[5]) == 0) {
+        if (table[i].kbits == kbits && table[i].vbits == vbits && table[i].G == G && table[i].Gv == Gv &&
+            strcmp(table[i].isa, argv[6]) == 0) {
             k = &table[i];
         }
     }
     if (!k) {
-        fprintf(stderr, "no head kernel for %s %s %s %s\n", argv[2], argv[3], argv[4], argv[5]);
+        fprintf(stderr, "no head kernel for K %d bits, V %d bits, G=%d, Gv=%d, isa=%s\n", kbits, vbits, G, Gv,
+                argv[6]);
         return 3;
     }
     size_t n_in = 0;
-    unsigned char * in = read_all(argv[7], &n_in);
+    unsigned char * in = read_all(argv[9], &n_in);
     if (!in) {
+        fprintf(stderr, "cannot read %s\n", argv[9]);
         return 2;
     }
     int ok = 0;
-    if (strcmp(argv[6], "seal") == 0) {
-        ok = head_seal(k, in, n_in, argv[8]);
-    } else if (strcmp(argv[6], "attn") == 0) {
-        ok = head_attn(k, in, n_in, argv[8]);
-    } else if (strcmp(argv[6], "rows") == 0) {
-        ok = head_rows(k, in, n_in, argv[8]);
+    if (strcmp(argv[8], "seal") == 0) {
+        ok = head_seal(k, vrot, in, n_in, argv[10]);
+    } else if (strcmp(argv[8], "attn") == 0) {
+        ok = head_attn(k, vrot, in, n_in, argv[10]);
+    } else if (strcmp(argv[8], "rows") == 0) {
+        ok = head_rows(k, vrot, in, n_in, argv[10]);
     } else {
+        fprintf(stderr, "unknown head op %s\n", argv[8]);
         return 2;
     }
     return ok ? 0 : 2;

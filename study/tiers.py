@@ -1,0 +1,168 @@
+"""Quality per byte of the ott tiers (issue 12): K/V code widths per side, with and without rotated V, end to end.
+
+    python -m study.tiers --out docs/tiers.md [--models smollm2-135m,gemma3-270m] [--threads 2] [--chunks 8]
+
+For each model: llama-perplexity over 2048-token chunks of the pinned llama.cpp docs (the first 200,000 bytes;
+ubatches of 512, as docs/benchmarks.md), KL divergence against f16 (mean and 99.9th percentile), top-1 agreement
+and the PPL ratio; and the bytes each cache allocates for 2k, 8k and 32k tokens (its own account,
+llama_ott_kv_cache_bytes), as bits per cached K/V element. Every number is measured by the run that writes it;
+the commands are printed with the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ott_gguf import _lib, models
+from ott_gguf._lib import bin_path
+from ott_gguf.corpus import docs_text
+from ott_gguf.info import model_info
+from ott_gguf.llama import Llama
+
+from .benchmarks import TEXT_BYTES, _num
+
+CTX = (2048, 8192, 32768)
+
+
+@dataclass(frozen=True)
+class Tier:
+    k: str  # cache type of K (llama.cpp name)
+    v: str  # cache type of V
+    v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
+
+    @property
+    def label(self) -> str:
+        name = self.k if self.k == self.v else f"{self.k}/{self.v}"
+        if self.v_rotate is None:
+            return name
+        return name + (" +rotV" if self.v_rotate else "")
+
+    def args(self) -> list[str]:
+        out = ["-ctk", self.k, "-ctv", self.v]
+        if self.v_rotate is not None:
+            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)}"]
+        return out
+
+
+TIERS = (
+    Tier("q8_0", "q8_0"),
+    Tier("q4_0", "q4_0"),
+    Tier("kivi2", "kivi2", True),
+    Tier("kivi3", "kivi2", True),
+    # rotated V against plain on the two candidates (the default is decided by these); the other pairs rotated
+    Tier("ott2", "ott2", False),
+    Tier("ott2", "ott2", True),
+    Tier("ott3", "ott2", False),
+    Tier("ott3", "ott2", True),
+    Tier("ott2", "ott3", True),
+    Tier("ott3", "ott3", True),
+    Tier("ott4", "ott2", True),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    tier: Tier
+    ppl_ratio: float
+    mean_kld: float
+    kld_999: float
+    top1: float
+    bits: tuple[float, ...]  # bits per cached K/V element at CTX
+
+
+def bits_per_element(path: Path, tier: Tier, n_ctx: int) -> float:
+    """The cache's allocated bytes for n_ctx tokens over the K/V elements those tokens have (every layer)."""
+    info = model_info(path)
+    if info.n_head_kv is None:
+        raise ValueError(f"{path}: per-layer KV head counts are not supported by this study")
+    cfg = None if tier.v_rotate is None else {"v_rotate": tier.v_rotate}
+    llm = Llama(str(path), type_k=tier.k, type_v=tier.v, ott_config=cfg, n_ctx=n_ctx, n_batch=32, n_ubatch=32,
+                swa_full=False, verbose=False)  # fmt: skip
+    try:
+        nbytes = _lib.kv_cache_bytes(llm._ctx.ctx)
+    finally:
+        llm.close()
+    elements = n_ctx * info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v)
+    return 8.0 * nbytes / elements
+
+
+def measure(path: Path, threads: int, chunks: int, log: list[str]) -> list[Row]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "docs.txt"
+        text.write_bytes(docs_text(TEXT_BYTES).encode())
+        base = Path(tmp) / "f16.kld"
+        common = [str(bin_path("llama-perplexity")), "-m", str(path), "-f", str(text), "-c", "2048", "-b", "2048",
+                  "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on"]  # fmt: skip
+        cmd = [*common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)]
+        log.append(" ".join(cmd))
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        for tier in TIERS:
+            cmd = [*common, *tier.args(), "--kl-divergence-base", str(base), "--kl-divergence"]
+            log.append(" ".join(cmd))
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"llama-perplexity failed for {tier.label}:\n{r.stderr[-3000:]}")
+            out = r.stdout + r.stderr
+            rows.append(Row(
+                tier=tier,
+                ppl_ratio=_num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
+                mean_kld=_num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
+                kld_999=_num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
+                top1=_num(r"Same top p:\s*([0-9.]+)", out),
+                bits=tuple(bits_per_element(path, tier, n) for n in CTX),
+            ))  # fmt: skip
+            print(f"  {tier.label}: KLD {rows[-1].mean_kld:.4f}", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(name: str, rows: list[Row]) -> str:
+    q4 = next(r for r in rows if r.tier.k == "q4_0")
+    head = " | ".join(f"bits/elem {n // 1024}k" for n in CTX)
+    lines = [f"### {name}", "",
+             f"| K/V cache | mean KLD | vs q4_0 | 99.9% KLD | top-1 % | PPL ratio | {head} |",
+             "|---|---|---|---|---|---|" + "---|" * len(CTX)]  # fmt: skip
+    for r in rows:
+        bits = " | ".join(f"{b:.2f}" for b in r.bits)
+        lines.append(f"| {r.tier.label} | {r.mean_kld:.4f} | {r.mean_kld / q4.mean_kld:.2f}x | {r.kld_999:.3f} | "
+                     f"{r.top1:.2f} | {r.ppl_ratio:.4f} | {bits} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("docs/tiers.md"))
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=4)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    parts, log = [], []
+    for name in a.models.split(","):
+        print(f"{name}:", file=sys.stderr, flush=True)
+        parts.append(markdown(name, measure(models.fetch(name, quiet=True), a.threads, a.chunks, log)))
+    when = time.strftime("%a %b %d %H:%M:%S %Y")
+    text = (
+        "# Quality per byte: K/V widths per side and rotated V\n\n"
+        f"Measured {when} on {platform.machine()}, {a.threads} threads, in {time.time() - t0:.0f} s "
+        f"(`python -m study.tiers --out {a.out} --models {a.models} --chunks {a.chunks}`).\n\n"
+        "llama-perplexity over 2048-token chunks of the pinned llama.cpp docs, KL divergence against f16; "
+        "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`). Bits per element: the bytes the "
+        "cache allocates for 2k/8k/32k tokens (fp16 tail, pools and, for Gemma 3, its f16 window layers "
+        "included) over the K and V elements of those tokens in every layer.\n\n" + "\n".join(parts)
+        + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+    )  # fmt: skip
+    a.out.write_text(text)
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
