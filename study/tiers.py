@@ -1,18 +1,22 @@
 """Quality per byte of the ott tiers (issue 12): K/V code widths per side, with and without rotated V, end to end.
 
-    python -m study.tiers --out docs/tiers.md [--models smollm2-135m,gemma3-270m] [--threads 2] [--chunks 8]
+    python -m study.tiers --out docs/tiers.md [--models smollm2-135m,gemma3-270m] [--threads 2] [--chunks 4]
+    python -m study.tiers --speed --out docs/tiers-speed.md [--depth 4096] [--rounds 5]
 
 For each model: llama-perplexity over 2048-token chunks of the pinned llama.cpp docs (the first 200,000 bytes;
 ubatches of 512, as docs/benchmarks.md), KL divergence against f16 (mean and 99.9th percentile), top-1 agreement
 and the PPL ratio; and the bytes each cache allocates for 2k, 8k and 32k tokens (its own account,
-llama_ott_kv_cache_bytes), as bits per cached K/V element. Every number is measured by the run that writes it;
-the commands are printed with the tables.
+llama_ott_kv_cache_bytes), as bits per cached K/V element. --speed: decode speed (llama-bench tg64) at one
+depth of f16 and the candidate tiers, interleaved (f16, ott2, ott3/ott2, f16, ...) and repeated, median and
+spread. Every number is measured by the run that writes it; the commands are printed with the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,15 +140,57 @@ def markdown(name: str, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SPEED_TYPES = (("f16", "f16"), ("ott2", "ott2"), ("ott3", "ott2"), ("q4_0", "q4_0"))
+
+
+def speed(path: Path, depth: int, rounds: int, threads: int, log: list[str]) -> dict[str, list[float]]:
+    """tg64 tokens/s at `depth` per type, one llama-bench run (-r 1) per type and round, types interleaved."""
+    out: dict[str, list[float]] = {f"{k}/{v}" if k != v else k: [] for k, v in SPEED_TYPES}
+    for _ in range(rounds):
+        for (k, v), name in zip(SPEED_TYPES, out, strict=True):
+            cmd = [str(bin_path("llama-bench")), "-m", str(path), "-ctk", k, "-ctv", v, "-fa", "1", "-p", "0",
+                   "-n", "64", "-d", str(depth), "-r", "1", "-t", str(threads), "-o", "json"]  # fmt: skip
+            log.append(" ".join(cmd))
+            r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            out[name].append(float(json.loads(r.stdout)[0]["avg_ts"]))
+    return out
+
+
+def speed_markdown(name: str, depth: int, res: dict[str, list[float]]) -> str:
+    f16 = statistics.median(res["f16"])
+    lines = [f"### {name}, tg64 at depth {depth}", "", "| K/V cache | median t/s | min..max | median / f16's |",
+             "|---|---|---|---|"]  # fmt: skip
+    for t, v in res.items():
+        lines.append(f"| {t} | {statistics.median(v):.1f} | {min(v):.1f}..{max(v):.1f} | "
+                     f"{statistics.median(v) / f16:.2f}x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/tiers.md"))
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--speed", action="store_true", help="decode speed instead of fidelity")
+    ap.add_argument("--depth", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
     t0 = time.time()
     parts, log = [], []
+    if a.speed:
+        for name in a.models.split(","):
+            res = speed(models.fetch(name, quiet=True), a.depth, a.rounds, a.threads, log)
+            parts.append(speed_markdown(name, a.depth, res))
+        a.out.write_text(
+            "# Decode speed of the ott tiers next to f16\n\n"
+            f"Measured {time.strftime('%a %b %d %H:%M:%S %Y')} on {platform.machine()}, {a.threads} threads, "
+            f"{a.rounds} rounds, types interleaved in each round (`python -m study.tiers --speed --out {a.out} "
+            f"--models {a.models} --depth {a.depth} --rounds {a.rounds}`); llama-bench runs the ott caches with "
+            "the defaults (V rotated).\n\n" + "\n".join(parts) + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+        )
+        print(a.out)
+        return 0
     for name in a.models.split(","):
         print(f"{name}:", file=sys.stderr, flush=True)
         parts.append(markdown(name, measure(models.fetch(name, quiet=True), a.threads, a.chunks, log)))

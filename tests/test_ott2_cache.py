@@ -99,23 +99,29 @@ def test_truncating_inside_a_group_continues_coherently(smollm2: Path, doc_token
 
 
 # Gemma 3 270M (3 full-attention layers with ott2, 15 window layers in f16), 1536 tokens of the docs in 512-token
-# ubatches: mean KLD vs f16 measured 0.029 for ott2, 0.078 for kivi2 (q4_0 0.144, q8_0 0.0098, both of which
-# quantize every layer).
+# ubatches: mean KLD vs f16 measured 0.029 for ott2 and 0.078 for kivi2 with plain V (q4_0 0.144, q8_0 0.0098,
+# both of which quantize every layer); with rotated V (the default) ott2 0.028 and kivi2 0.047: rotating V helps
+# the kivi baseline more, and outlier tracing still takes 40% off.
 GEMMA_OTT2_MEAN_KLD_BOUND = 0.05
 
 
 def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
     """A sliding-window model: ott2 serves the full-attention layers, an f16 cache the window layers; quality
-    vs f16 is bounded and ott2 stays clearly better than kivi2."""
+    vs f16 is bounded and ott2 stays clearly better than kivi2 (the paper's comparison: plain V; and with the
+    default rotated V)."""
     llm = Llama(str(gemma3), kv_type="f16", n_ctx=256, verbose=False)
     toks = llm.tokenize(docs_text(40_000).encode())[:1536]
     llm.close()
     f16 = eval_logits(gemma3, "f16", toks)
-    ott2 = kl_divergence(f16, eval_logits(gemma3, "ott2", toks)).mean()
-    kivi2 = kl_divergence(f16, eval_logits(gemma3, "kivi2", toks)).mean()
-    print(f"gemma3 mean KLD vs f16: ott2 {ott2:.4f}, kivi2 {kivi2:.4f}")
-    assert ott2 < GEMMA_OTT2_MEAN_KLD_BOUND
-    assert ott2 < 0.6 * kivi2
+    kld = {
+        (t, rot): kl_divergence(f16, eval_logits(gemma3, t, toks, ott_config={"v_rotate": rot})).mean()
+        for t in ("ott2", "kivi2")
+        for rot in (False, True)
+    }
+    print(f"gemma3 mean KLD vs f16: {kld}")
+    assert kld["ott2", True] < GEMMA_OTT2_MEAN_KLD_BOUND and kld["ott2", False] < GEMMA_OTT2_MEAN_KLD_BOUND
+    assert kld["ott2", False] < 0.6 * kld["kivi2", False]
+    assert kld["ott2", True] < 0.7 * kld["kivi2", True]
     llm = Llama(str(gemma3), kv_type="ott2", n_ctx=2048, verbose=False)
     llm.eval(toks[:600])
     info = llm.kv_cache_info()
