@@ -46,7 +46,7 @@ def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: 
 def test_ties_and_constant_groups(isa: str) -> None:
     """Equal scores (ties go to the earlier position) and constant channels (scale 0) in every field."""
     hk = head_set(2, 2, 64, 32, isa)
-    cfg = ref.OttConfig(bits=2, G=64, R=32, Gv=32, outlier_num=3, aux_cap=8)
+    cfg = ref.OttConfig(bits=2, G=64, R=32, Gv=32, outlier_num=3, aux_cap=8, v_rotate=False)  # a constant V block
     rng = np.random.default_rng(0)
     n, D = 4 * 64 + 40, 64
     k = np.tile(rng.standard_normal((1, D)).astype(np.float32), (n, 1))  # every token the same key: all tie
@@ -60,8 +60,8 @@ def test_ties_and_constant_groups(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", K.isas)
 def test_planted_outlier_is_caught(isa: str) -> None:
-    hk = head_set(2, 2, 128, 64, isa)
-    cfg = ref.OttConfig()
+    cfg = ref.OttConfig()  # the defaults (V rotated)
+    hk = head_set(2, 2, 128, 64, isa, vrot=cfg.v_rotate)
     rng = np.random.default_rng(1)
     n, D = 3 * 128 + 32, 64
     k = (rng.standard_normal((n, D)) * 4).astype(np.float32)
