@@ -1,15 +1,17 @@
 """Prefill and decode speed per K/V cache type and context depth, measured by the bundled llama-bench.
 
-`ott-gguf bench MODEL` runs `llama-bench -ctk K -ctv V -fa 1 -d DEPTHS -p P -n N -o json` once per cache type
-or "K/V" pair (ott2..ott4 and kivi2..kivi4, the ott cache without outliers, are cache types like the stock ones;
-llama-bench takes no --ott-params, so the ott caches run the C defaults there) and reads its
-JSON: "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at a time, each after
-`depth` tokens already in the cache.
+`ott-gguf bench MODEL` runs `llama-bench -ctk K -ctv V -fa 1 -d DEPTHS -p P -n N -r 1 -o json` per cache type
+or "K/V" pair, in rounds: every type once per round, so a machine that slows down or speeds up during the run
+affects them alike; the median of the rounds is reported with their spread. ott2..ott4 and kivi2..kivi4 (the
+ott cache without outliers) are cache types like the stock ones; llama-bench takes no --ott-params, so the ott
+caches run the C defaults there. "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at
+a time, each after `depth` tokens already in the cache.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +29,14 @@ class BenchRow:
     test: str  # "pp" (prompt processing, prefill) or "tg" (token generation, decode)
     n_tokens: int  # tokens timed: P for pp, N for tg
     depth: int  # tokens in the cache before the timed ones
-    tokens_per_s: float  # mean over the repetitions
-    stddev: float
+    tokens_per_s: float  # median over the rounds
+    stddev: float  # over the rounds (0 with one)
+    samples: tuple[float, ...] = ()  # tokens/s of each round, in order
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the rounds: how much the machine moved under the measurement."""
+        return (max(self.samples) - min(self.samples)) / self.tokens_per_s if len(self.samples) > 1 else 0.0
 
     @property
     def label(self) -> str:
@@ -75,7 +83,8 @@ def bench(
     progress: Callable[[str], None] | None = None,
     n_gpu_layers: int | None = None,
 ) -> list[BenchRow]:
-    """Run llama-bench once per cache type; rows in the order of kv_types, then as llama-bench reports them."""
+    """llama-bench for every cache type, `reps` rounds with the types interleaved (one llama-bench -r 1 per type and
+    round); rows in the order of kv_types, then as llama-bench reports them, each the median of its rounds."""
     from .info import require_ott_support
 
     types = [kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
@@ -84,25 +93,22 @@ def bench(
     if any(d < 0 for d in depths) or n_prompt < 0 or n_gen < 0 or reps < 1 or not (n_prompt or n_gen):
         raise ValueError("depths, -p and -n must be >= 0 (-p or -n above 0) and repetitions >= 1")
     require_ott_support(model, types)  # llama-bench would only exit with a status
-    rows: list[BenchRow] = []
-    for t in types:
-        cmd = bench_command(
-            model,
-            t,
-            depths=depths,
-            n_prompt=n_prompt,
-            n_gen=n_gen,
-            threads=threads,
-            reps=reps,
-            n_gpu_layers=n_gpu_layers,
-        )
-        if progress:
-            progress(f"{t}: {' '.join(cmd)}")
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"llama-bench failed for {t} (exit {res.returncode}):\n{res.stderr[-2000:]}")
-        rows += parse_bench_json(res.stdout, t)
-    return rows
+    samples: dict[tuple[str, str, int, int], list[float]] = {}
+    for r in range(reps):
+        for t in types:
+            cmd = bench_command(model, t, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=1,
+                                n_gpu_layers=n_gpu_layers)  # fmt: skip
+            if progress:
+                progress(f"round {r + 1}/{reps}, {t}: {' '.join(cmd)}")
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"llama-bench failed for {t} (exit {res.returncode}):\n{res.stderr[-2000:]}")
+            for row in parse_bench_json(res.stdout, t):
+                samples.setdefault((t, row.test, row.n_tokens, row.depth), []).append(row.tokens_per_s)
+    return [
+        BenchRow(t, test, n, depth, statistics.median(v), statistics.pstdev(v), tuple(v))
+        for (t, test, n, depth), v in samples.items()
+    ]
 
 
 def plot_bench(rows: Sequence[BenchRow], path: Path | str, bytes_per_token: dict[str, float] | None = None,

@@ -233,11 +233,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"ott-gguf: error: {e}", file=sys.stderr)
         return 1
     labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: (r.depth, r.test))))
-    cells = {(r.kv_type, r.label): f"{r.tokens_per_s:.1f}" for r in rows}
-    print(f"{path.name}: tokens/s by llama-bench ({args.reps} repetition(s), flash attention on); "
-          "pp = prefill, tg = decode, @ = tokens already in the cache")  # fmt: skip
+    cells = {(r.kv_type, r.label): f"{r.tokens_per_s:.1f}" + (f" ±{r.spread * 50:.0f}%" if args.reps > 1 else "")
+             for r in rows}  # fmt: skip
+    print(f"{path.name}: tokens/s by llama-bench, median of {args.reps} round(s) with the types interleaved"
+          f"{' (± half the spread between rounds)' if args.reps > 1 else ''}, flash attention on; pp = prefill, "
+          "tg = decode, @ = tokens already in the cache")  # fmt: skip
     table = [[t, f"{per_token[t]:.0f}", *(cells.get((t, lb), "-") for lb in labels)] for t in args.kv_types]
     print(_table(["kv_type", "KV B/token", *labels], table))
+    wide = [f"{r.kv_type} {r.label}" for r in rows if r.spread > 0.1]
+    if wide:
+        print(f"warning: the rounds differ by more than 10% for {', '.join(wide)}: the machine was busy or changing "
+              "speed; compare types within a round count, or run again with more rounds", file=sys.stderr)  # fmt: skip
     if args.plot:
         plot_bench(rows, args.plot, per_token, title=f"{path.name}, llama-bench")
         print(f"plot: {args.plot}")
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated; K/V for a pair, e.g. ott3/ott2")  # fmt: skip
     n.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed (prefill)")
     n.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens timed (decode)")
-    n.add_argument("-r", "--reps", type=int, default=3, help="repetitions per test")
+    n.add_argument("-r", "--reps", type=int, default=3, help="rounds, every type once per round (median, spread)")
     n.add_argument("--threads", type=int, help="CPU threads (default: llama-bench's)")
     n.add_argument("--plot", help="write tokens/s vs depth (PNG) here")
     n.set_defaults(fn=cmd_bench)
