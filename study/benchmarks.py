@@ -55,6 +55,18 @@ def _num(pattern: str, text: str) -> float:
     return float(m.group(1))
 
 
+def perplexity_numbers(out: str) -> dict[str, float]:
+    """What llama-perplexity --kl-divergence prints at the end: PPL, its ratio to the base's, mean and 99.9% KLD,
+    top-1 agreement (percent)."""
+    return {
+        "ppl": _num(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", out),
+        "ppl_ratio": _num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
+        "mean_kld": _num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
+        "kld_999": _num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
+        "top1": _num(r"Same top p:\s*([0-9.]+)", out),
+    }
+
+
 def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[PplRow]:
     """llama-perplexity with f16 as the KL-divergence base, then each type against it."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,15 +84,7 @@ def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[P
             r = subprocess.run(cmd, capture_output=True, text=True)  # -ctk kivi2 names the kivi2 cache itself
             if r.returncode != 0:
                 raise RuntimeError(f"llama-perplexity failed for {t}:\n{r.stderr[-3000:]}")
-            out = r.stdout + r.stderr
-            rows.append(PplRow(
-                kv_type=t,
-                ppl=_num(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", out),
-                ppl_ratio=_num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
-                mean_kld=_num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
-                kld_999=_num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
-                top1=_num(r"Same top p:\s*([0-9.]+)", out),
-            ))  # fmt: skip
+            rows.append(PplRow(kv_type=t, **perplexity_numbers(r.stdout + r.stderr)))
         return rows
 
 

@@ -30,7 +30,7 @@ from ott_gguf.corpus import docs_text
 from ott_gguf.info import model_info
 from ott_gguf.llama import Llama
 
-from .benchmarks import TEXT_BYTES, _num
+from .benchmarks import TEXT_BYTES, perplexity_numbers
 
 CTX = (2048, 8192, 32768)
 
@@ -114,15 +114,9 @@ def measure(path: Path, threads: int, chunks: int, log: list[str]) -> list[Row]:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"llama-perplexity failed for {tier.label}:\n{r.stderr[-3000:]}")
-            out = r.stdout + r.stderr
-            rows.append(Row(
-                tier=tier,
-                ppl_ratio=_num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
-                mean_kld=_num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
-                kld_999=_num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
-                top1=_num(r"Same top p:\s*([0-9.]+)", out),
-                bits=tuple(bits_per_element(path, tier, n) for n in CTX),
-            ))  # fmt: skip
+            num = perplexity_numbers(r.stdout + r.stderr)
+            rows.append(Row(tier=tier, ppl_ratio=num["ppl_ratio"], mean_kld=num["mean_kld"], kld_999=num["kld_999"],
+                            top1=num["top1"], bits=tuple(bits_per_element(path, tier, n) for n in CTX)))  # fmt: skip
             print(f"  {tier.label}: KLD {rows[-1].mean_kld:.4f}", file=sys.stderr, flush=True)
     return rows
 
