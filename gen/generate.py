@@ -40,6 +40,16 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+fp16+dotprod"],
 }
+# The quantizer's clipped ranges in sixty-fourths of a group's range (ott_gguf.quantizer, docs/clipping.md; a
+# test checks the two tables agree): keys by width; rotated values by (width, Gv); unrotated values full range.
+CLIP_ONE = 64
+K_CLIP64 = {2: 48, 3: 58, 4: 64}
+V_ROT_CLIP64 = {
+    (2, 32): 47, (3, 32): 58, (4, 32): 63,
+    (2, 64): 42, (3, 64): 55, (4, 64): 61,
+    (2, 128): 38, (3, 128): 51, (4, 128): 59,
+    (2, 256): 35, (3, 256): 48, (4, 256): 57,
+}  # fmt: skip
 # vector width in floats per ISA
 WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 4}
 Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
@@ -64,16 +74,29 @@ class Plane:
 class Config:
     bits: int
     group: int
+    clip: int = CLIP_ONE  # sixty-fourths of the group's range the codes span; the block layout does not depend on it
 
     def __post_init__(self) -> None:
         if self.bits not in PLANES:
             raise ValueError(f"bits must be one of {sorted(PLANES)}, got {self.bits}")
         if self.group % Q8_1_BLOCK != 0 or self.group <= 0 or self.group > 256:
             raise ValueError(f"group must be a multiple of {Q8_1_BLOCK} in [32, 256], got {self.group}")
+        if not 1 <= self.clip <= CLIP_ONE:
+            raise ValueError(f"clip must be in [1, {CLIP_ONE}] sixty-fourths, got {self.clip}")
 
     @property
     def tag(self) -> str:
-        return f"b{self.bits}g{self.group}"
+        return f"b{self.bits}g{self.group}" + (f"c{self.clip}" if self.clip != CLIP_ONE else "")
+
+    @property
+    def clip_scale(self) -> str:
+        """c = clip/64 as an exact C float literal."""
+        return f"{self.clip / CLIP_ONE!r}f"
+
+    @property
+    def clip_offset(self) -> str:
+        """o = (1 - c)/2 as an exact C float literal."""
+        return f"{(CLIP_ONE - self.clip) / (2 * CLIP_ONE)!r}f"
 
     @property
     def nlev(self) -> int:
@@ -104,11 +127,17 @@ class HeadConfig:
 
     @property
     def k(self) -> Config:
-        return Config(self.kbits, self.G)
+        return Config(self.kbits, self.G, K_CLIP64.get(self.kbits, CLIP_ONE))
 
     @property
     def v(self) -> Config:
+        """V blocks stored unrotated (full range)."""
         return Config(self.vbits, self.Gv)
+
+    @property
+    def vr(self) -> Config:
+        """V blocks of rotated units: the same layout, quantized to their clipped range."""
+        return Config(self.vbits, self.Gv, V_ROT_CLIP64.get((self.vbits, self.Gv), CLIP_ONE))
 
     @property
     def tag(self) -> str:
@@ -134,7 +163,7 @@ def parse_heads(text: str) -> list[HeadConfig]:
         b, g, gv = item.strip().split(":")
         kb, _, vb = b.partition("/")
         hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv))
-        hc.k, hc.v  # noqa: B018 (validates both block formats)
+        hc.k, hc.v, hc.vr  # noqa: B018 (validates the block formats)
         out.append(hc)
     return out
 
@@ -143,17 +172,22 @@ def with_head_formats(configs: list[Config], heads: list[HeadConfig]) -> list[Co
     """The block configs plus every K and V format the head configs need, each once, in a stable order."""
     out = list(configs)
     for hc in heads:
-        for c in (hc.k, hc.v):
+        for c in (hc.k, hc.v, hc.vr):
             if c not in out:
                 out.append(c)
     return out
 
 
+def config_spec(c: Config) -> str:
+    """'bits:group', or 'bits:group:clip' for a clipped config (what parse_configs reads)."""
+    return f"{c.bits}:{c.group}" + (f":{c.clip}" if c.clip != CLIP_ONE else "")
+
+
 def parse_configs(text: str) -> list[Config]:
     out = []
     for item in text.split(","):
-        b, g = item.strip().split(":")
-        out.append(Config(int(b), int(g)))
+        b, g, *c = item.strip().split(":")
+        out.append(Config(int(b), int(g), *(int(x) for x in c)))
     return out
 
 
@@ -224,7 +258,7 @@ def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch:
     e = env()
     isas = ISAS[arch]
     configs = with_head_formats(configs, heads)
-    p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs) + ", " + heads_param(heads)
+    p = "configs=" + ",".join(config_spec(c) for c in configs) + ", " + heads_param(heads)
     kw = dict(configs=configs, heads=heads)
     files = {"ott-kernels.h": render(e, "kernels.h.j2", p, isas=isas, **kw)}
     for isa in isas:
@@ -235,7 +269,7 @@ def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch:
 
 def gen_cuda(out: Path, configs: list[Config], heads: list[HeadConfig]) -> dict[str, str]:
     e = env()
-    p = "configs=" + ",".join(f"{c.bits}:{c.group}" for c in configs)
+    p = "configs=" + ",".join(config_spec(c) for c in configs)
     files = {
         "ott-cuda-check.cu": render(e, "cuda_check.cu.j2", p, configs=configs),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", heads_param(heads), heads=heads, modes=["cuda", "emu"], table=False),

@@ -40,7 +40,8 @@ class OttConfig:
     to be 32 or a multiple of ROT_BLOCK: see reference.quantize_values); mean "non_outlier"
     (the spec's decision) or "all" (the paper's wording) for the placeholder value; identity switches
     quantization off (x_hat = x), so that the output must equal dense attention. outlier_num = 0 is the KIVI
-    baseline ("kivi2").
+    baseline ("kivi2"). clip: the quantizer's clipped ranges (quantizer.K_CLIP64, V_ROT_CLIP64), as the native
+    kernels use; False: full min-max ranges (the formats before clipping, for studies).
     """
 
     G: int = 128
@@ -56,11 +57,14 @@ class OttConfig:
     v_bits: int | None = None
     k_rotate: bool = False
     v_rotate: bool = True
+    clip: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mean", "identity", "k_rotate", "v_rotate") or (f.name.endswith("_bits") and value is None):
+            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip") or (
+                f.name.endswith("_bits") and value is None
+            ):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ott_config.{f.name} must be a non-negative integer, got {value!r}")
@@ -68,7 +72,7 @@ class OttConfig:
             value = getattr(self, name)
             if value is not None and value not in _BITS:
                 raise ValueError(f"ott_config.{name} must be one of {_BITS}, got {value}")
-        for name in ("identity", "k_rotate", "v_rotate"):
+        for name in ("identity", "k_rotate", "v_rotate", "clip"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ott_config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("G", "Gv"):
@@ -146,15 +150,23 @@ class OttConfig:
 
     @property
     def k_format(self) -> Any:  # quantizer.BlockFormat (imported lazily: this module stays dependency-free)
-        from .quantizer import BlockFormat
+        from .quantizer import CLIP_ONE, K_CLIP64, BlockFormat
 
-        return BlockFormat(self.kbits, self.G)
+        return BlockFormat(self.kbits, self.G, K_CLIP64[self.kbits] if self.clip else CLIP_ONE)
 
     @property
     def v_format(self) -> Any:
+        """The format of unrotated V units (full range)."""
         from .quantizer import BlockFormat
 
         return BlockFormat(self.vbits, self.Gv)
+
+    @property
+    def vr_format(self) -> Any:
+        """The format of rotated V units: the same blocks, quantized to the clipped range of their width and Gv."""
+        from .quantizer import CLIP_ONE, V_ROT_CLIP64, BlockFormat
+
+        return BlockFormat(self.vbits, self.Gv, V_ROT_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE)
 
 
 def resolve_kv_type(kv_type: object, what: str = "kv_type") -> str:

@@ -274,7 +274,7 @@ def quantize_values(v: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.nd
     if config.v_rotate:
         check_v_rotation(config, D)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
-            qr = quantize(hadamard_rotate(v), config.v_format)
+            qr = quantize(hadamard_rotate(v), config.vr_format)
         per = v_rotation_unit(config) // config.Gv  # Gv blocks per unit
         fits = (np.isfinite(qr.d) & np.isfinite(qr.m)).reshape(G, nv // per, per).all(axis=2)
         rot = np.repeat(fits, per, axis=1)  # (G, nv): each block carries its unit's flag

@@ -25,6 +25,7 @@ _ffi.cdef(
     typedef struct {
         int bits;
         int group;
+        int clip;
         const char * isa;
         size_t block_bytes;
         void (*quantize)(const float * x, void * y, int64_t k);
@@ -105,6 +106,7 @@ class KernelSet:
     isa: str
     block_bytes: int
     _k: object
+    clip: int = 64
 
     def quantize(self, x: np.ndarray) -> np.ndarray:
         x = _f32(x).reshape(-1)
@@ -335,7 +337,7 @@ class Kernels:
         n = _ffi.new("int *")
         table = self._lib.ott_kernels(n)
         self._sets = [
-            KernelSet(t.bits, t.group, _ffi.string(t.isa).decode(), int(t.block_bytes), t)
+            KernelSet(t.bits, t.group, _ffi.string(t.isa).decode(), int(t.block_bytes), t, t.clip)
             for t in (table[i] for i in range(n[0]))
         ]
         heads = self._lib.ott_head_kernels(n)
@@ -352,7 +354,13 @@ class Kernels:
 
     @property
     def configs(self) -> list[tuple[int, int]]:
-        return sorted({(k.bits, k.group) for k in self._sets})
+        """(bits, group) of every full-range config."""
+        return sorted({(k.bits, k.group) for k in self._sets if k.clip == 64})
+
+    @property
+    def clipped_configs(self) -> list[tuple[int, int, int]]:
+        """(bits, group, clip) of every clipped config (the head configs' keys and rotated values)."""
+        return sorted({(k.bits, k.group, k.clip) for k in self._sets if k.clip != 64})
 
     @property
     def head_configs(self) -> list[tuple[int, int, int, int]]:
@@ -368,11 +376,11 @@ class Kernels:
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))
 
-    def get(self, bits: int, group: int, isa: str) -> KernelSet:
+    def get(self, bits: int, group: int, isa: str, clip: int = 64) -> KernelSet:
         for k in self._sets:
-            if (k.bits, k.group, k.isa) == (bits, group, isa):
+            if (k.bits, k.group, k.clip, k.isa) == (bits, group, clip, isa):
                 return k
-        raise KeyError(f"no kernels for bits={bits}, group={group}, isa={isa}")
+        raise KeyError(f"no kernels for bits={bits}, group={group}, clip={clip}, isa={isa}")
 
 
 def ggml_quantize_rows(type_id: int, x: np.ndarray, n_per_row: int) -> tuple[np.ndarray, np.ndarray]:

@@ -89,3 +89,21 @@ def test_generator_is_deterministic_and_parametric(tmp_path: Path) -> None:
                 assert f"ott_k{kb}v{vb}g128x{group}_seal" in table
     bad = gen(tmp_path / "bad", "kernels", "--heads", "5:128:64")
     assert bad.returncode != 0 and "bits must be one of" in bad.stderr
+
+
+def test_generator_and_reference_clip_tables_agree() -> None:
+    """The kernels' clipped ranges (gen/generate.py) are the reference quantizer's (ott_gguf.quantizer)."""
+    import importlib.util
+
+    from ott_gguf import quantizer
+
+    spec = importlib.util.spec_from_file_location("ott_generate", GEN)
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules["ott_generate"] = gen  # dataclasses look their module up
+    spec.loader.exec_module(gen)
+    assert gen.CLIP_ONE == quantizer.CLIP_ONE
+    assert gen.K_CLIP64 == quantizer.K_CLIP64
+    assert gen.V_ROT_CLIP64 == quantizer.V_ROT_CLIP64
+    hc = gen.HeadConfig(3, 2, 128, 64)
+    assert (hc.k.clip, hc.v.clip, hc.vr.clip) == (quantizer.K_CLIP64[3], 64, quantizer.V_ROT_CLIP64[(2, 64)])

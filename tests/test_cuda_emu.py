@@ -151,7 +151,7 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     cache = ref.OttCache(cfg, 1, H, D)
     rng = np.random.default_rng(7)
     k, v = keys_values(rng, n, D)
-    v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16
+    v[5, :64] = 60000.0  # unit 0 of token 5: rotated, 8 x 60000 does not fit fp16, even clipped
     v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
     scale = 1.0 / math.sqrt(D)
     start = 0

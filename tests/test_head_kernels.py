@@ -85,7 +85,7 @@ def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
     rng = np.random.default_rng(Gv)
     n, D = 2 * G + 40, 128
     k, v = keys_values(rng, n, D)
-    v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16
+    v[5, :64] = 60000.0  # unit 0 of token 5: rotated, 8 x 60000 does not fit fp16, even clipped
     v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
     st, nat = lockstep(hk, cfg, 3, k, v, [n])
     flags = np.signbit(st.groups[0].v_scale)  # (G, D/Gv)

@@ -16,6 +16,7 @@ from helpers import make_inputs
 
 K = kernels()
 CASES = [(b, g, isa) for (b, g) in K.configs for isa in K.isas]
+CLIPPED = [(b, g, c, isa) for (b, g, c) in K.clipped_configs for isa in K.isas]
 
 
 def kset(bits: int, group: int, isa: str):
@@ -120,3 +121,27 @@ def test_machine_runs_the_simd_isas() -> None:
     if platform.machine() == "x86_64":
         assert K.isas == ["avx2", "avx512", "scalar"]
         assert K.cpu_supports("avx2") and K.cpu_supports("avx512")
+
+
+def test_the_head_configs_bring_clipped_formats() -> None:
+    """Keys and rotated values of the head configs use clipped ranges: those kernels exist to be tested."""
+    assert K.clipped_configs, "no clipped config in the kernel library"
+    assert {b for (b, _, _) in K.clipped_configs} >= {2, 3}
+
+
+@pytest.mark.parametrize("bits,group,clip,isa", CLIPPED)
+def test_clipped_quantize_is_bit_exact(bits: int, group: int, clip: int, isa: str) -> None:
+    if not K.cpu_supports(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    ks = K.get(bits, group, isa, clip)
+    fmt = Q.BlockFormat(bits, group, clip)
+    x = make_inputs(np.random.default_rng(bits * 1000 + group + clip), group)
+    got = ks.quantize(x)
+    want = Q.pack(Q.quantize(x, fmt), fmt)
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert bad.size == 0, f"{isa} b{bits}g{group}c{clip}: blocks differ at {bad[:8]}: {got[bad[0]]} vs {want[bad[0]]}"
+    # the clipped reconstruction stays inside the group's range (up to the fp16 rounding of scale and min)
+    xh = Q.dequantize(Q.quantize(x, fmt)).reshape(-1, group)
+    g = x.reshape(-1, group)
+    tol = 2e-3 * np.abs(g).max(axis=1)
+    assert (xh.min(axis=1) >= g.min(axis=1) - tol).all() and (xh.max(axis=1) <= g.max(axis=1) + tol).all()

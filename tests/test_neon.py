@@ -230,7 +230,9 @@ def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: i
     k, v = keys_values(rng, n, D)
     fallback = vrot and Gv < 64
     if fallback:
-        v[5, :64] = 30000.0  # unit 0 of token 5: rotated, 8 x 30000 does not fit fp16, so stored unrotated
+        v[5, :64] = (
+            60000.0  # unit 0 of token 5: rotated, 8 x 60000 does not fit fp16, even clipped, so stored unrotated
+        )
     st, nat = lockstep(hk, cfg, 3, k, v, [G + 5, n - G - 5])
     assert st.n_sealed >= 3
     if vrot:  # the scales' sign bits flag rotated units (compared bit for bit by lockstep)

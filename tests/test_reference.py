@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ott_gguf.quantizer import BlockFormat, Quantized, dequantize, quantize
+from ott_gguf.quantizer import K_CLIP64, V_ROT_CLIP64, BlockFormat, Quantized, dequantize, quantize
 from ott_gguf.reference import (
     HeadState,
     OttCache,
@@ -246,11 +246,13 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         def fits(q: Quantized) -> bool:
             return bool(np.isfinite(q.d).all() and np.isfinite(q.m).all())
 
-        qk = quantize(xk32.T, BlockFormat(cfg.kbits, G))
+        # keys at their clipped range, values at the full range unrotated and the clipped one rotated
+        kf = BlockFormat(cfg.kbits, G, K_CLIP64[cfg.kbits])
+        qk = quantize(xk32.T, kf)
         qv = quantize(xv32, BlockFormat(cfg.vbits, cfg.Gv))
         with np.errstate(over="ignore", invalid="ignore"):  # a rotated group may overflow fp16: the fallback
-            rk = quantize(hadamard_rotate(xk32).T, BlockFormat(cfg.kbits, G))
-            rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv))
+            rk = quantize(hadamard_rotate(xk32).T, kf)
+            rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv, V_ROT_CLIP64[(cfg.vbits, cfg.Gv)]))
         assert g.k_rotated == (cfg.k_rotate and fits(rk))
         qk = rk if g.k_rotated else qk
         per = max(cfg.Gv, 64) // cfg.Gv  # V blocks per rotation unit
@@ -319,7 +321,8 @@ def kivi_reference(cfg: OttConfig, q, k, v, cuts) -> tuple[np.ndarray, list[list
     """An independent block-G KIVI: per channel / per token loops, sealing after each ubatch, dense float64."""
     n, H, D = k.shape
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
-    fk, fv = BlockFormat(cfg.bits, cfg.G), BlockFormat(cfg.bits, cfg.Gv)
+    fk, fv = BlockFormat(cfg.bits, cfg.G, K_CLIP64[cfg.bits]), BlockFormat(cfg.bits, cfg.Gv)
+    assert not cfg.v_rotate  # unrotated values: the full range
     k_hat = k16.astype(np.float64)
     v_hat = v16.astype(np.float64)
     groups: list[list[dict]] = [[] for _ in range(H)]
@@ -604,7 +607,10 @@ def test_aux_pool_overflow_stops_tracing(aux_cap: int, stop_group: int) -> None:
     assert s.pool.pos.tolist() == winners[stop_group - 1]
     assert s.aux.pos.tolist() == sum(winners[: stop_group - 1], [])
     for g in s.groups[stop_group:]:  # quantized plainly
-        qk = quantize(k[g.index * 32 : (g.index + 1) * 32].astype(np.float16).astype(np.float32).T, BlockFormat(2, 32))
+        qk = quantize(
+            k[g.index * 32 : (g.index + 1) * 32].astype(np.float16).astype(np.float32).T,
+            BlockFormat(2, 32, K_CLIP64[2]),
+        )
         assert np.array_equal(g.k_codes, qk.codes[:, 0])
     _, sk, sv = s.served()
     pooled = np.concatenate([s.pool.pos, s.aux.pos])
@@ -635,9 +641,11 @@ def test_planted_outlier_is_caught_and_narrows_the_channel() -> None:
     assert float(ott.k_scale[5]) < 0.25 * float(kivi.k_scale[5])
     others = np.delete(np.arange(G), ott.placeholders)
     k16 = k[:G].astype(np.float16).astype(np.float32)
-    nlev = np.float32(3)
-    assert f16_equal(ott.k_min, k16[others].min(axis=0))
-    assert f16_equal(ott.k_scale, ((k16[others].max(axis=0) - k16[others].min(axis=0)) / nlev).astype(np.float16))
+    # the placeholders (the others' mean) lie inside the others' range: scale and min are those of the others alone
+    fmt = BlockFormat(2, G, K_CLIP64[2])
+    mn, w = k16[others].min(axis=0), k16[others].max(axis=0) - k16[others].min(axis=0)
+    assert f16_equal(ott.k_min, mn + w * np.float32(fmt.clip_offset))
+    assert f16_equal(ott.k_scale, (w * np.float32(fmt.clip_scale)) / np.float32(3))
     err_ott = np.abs(ott.k_hat[others, 5] - k16[others, 5]).mean()
     err_kivi = np.abs(kivi.k_hat[others, 5] - k16[others, 5]).mean()
     assert err_ott < 0.5 * err_kivi
@@ -914,7 +922,7 @@ def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
     cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True)
     rng = np.random.default_rng(5)
     k, v = make_kv(rng, 64, 1, 64, "normal")
-    k[32:], v[32:] = 30000.0, 30000.0  # group 1: all channels aligned and large: 8 x 30000 overflows fp16
+    k[32:], v[32:] = 60000.0, 60000.0  # group 1: all channels aligned and large: 8 x 60000 overflows fp16, clipped too
     k[32:, :, 1::2] *= -1
     cache = OttCache(cfg, 1, 1, 64)
     run(cache, 0, 0, None, k, v, [])
@@ -928,14 +936,14 @@ def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
 
 @pytest.mark.parametrize("Gv", [32, 64, 128])
 def test_v_rotation_is_decided_per_token_and_unit(Gv: int) -> None:
-    """One token with 30000 in the 64 channels of block 0 (rotated: 8 x 30000 in one channel, beyond fp16): only
+    """One token with 60000 in the 64 channels of block 0 (rotated: 8 x 60000 in one channel, beyond fp16): only
     that token's unit of max(Gv, 64) channels is stored unrotated (scale sign bits clear), every other unit rotated
     (sign bits set); decoding (|d|, then the rotated units rotated back) is close to the input."""
     cfg = OttConfig(G=32, R=0, Gv=Gv, outlier_num=0, no_outlier_layers=0, bits=2, v_rotate=True)
     rng = np.random.default_rng(11)
     D, U = 128, max(Gv, 64)
     k, v = make_kv(rng, 32, 1, D, "normal")
-    v[5, 0, :64] = 30000.0
+    v[5, 0, :64] = 60000.0
     cache = OttCache(cfg, 1, 1, D)
     run(cache, 0, 0, None, k, v, [])
     s = cache.state(0, 0, 0)
@@ -950,9 +958,9 @@ def test_v_rotation_is_decided_per_token_and_unit(Gv: int) -> None:
     assert np.array_equal(v_dec, g.v_hat)
     rel = np.linalg.norm(g.v_hat - v16, axis=1) / np.linalg.norm(v16, axis=1)
     assert rel.max() < 0.6, rel  # 2-bit codes
-    assert rel[5] < 0.01, rel[5]  # dominated by the 30000s, which no rotation smeared
+    assert rel[5] < 0.01, rel[5]  # dominated by the 60000s, which no rotation smeared
     if Gv <= 64:
-        np.testing.assert_array_equal(g.v_hat[5, :64], 30000.0)  # an unrotated zero-range block: exact
+        np.testing.assert_array_equal(g.v_hat[5, :64], 60000.0)  # an unrotated zero-range block: exact
         rel5 = np.linalg.norm(g.v_hat[5, U:] - v16[5, U:]) / np.linalg.norm(v16[5, U:])
         assert rel5 < 0.6, rel5  # token 5's other unit: rotated, ordinary
 

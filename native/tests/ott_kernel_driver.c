@@ -245,7 +245,7 @@ int main(int argc, char ** argv) {
     const ott_kernel * table = ott_kernels(&nk);
     const ott_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
-        if (table[i].bits == bits && table[i].group == group && strcmp(table[i].isa, argv[3]) == 0) {
+        if (table[i].bits == bits && table[i].group == group && table[i].clip == 64 && strcmp(table[i].isa, argv[3]) == 0) {
             k = &table[i];
         }
     }
