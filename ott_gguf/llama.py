@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,18 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                         outlier_slots=c["outlier_slots"], aux_slots=c["aux_slots"], ott_layers=c["layers"],
                         config=self.ott_config)  # fmt: skip
         return info
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate tokens after the first n_tokens, as the stock method does. An ott cache cuts a sequence only
+        where it then holds what a fresh run would (seq_rm refuses other cuts: a fresh run would hold in fp16
+        tokens it has sealed); there the kept prefix is evaluated again from position 0, so the result is always
+        that of a fresh run over the same tokens (docs/design-ott2-cache.md, "Batches")."""
+        if self.ott_config is not None and self.n_tokens > 0 and not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
+            prefix = [int(t) for t in self._input_ids[: self.n_tokens]]
+            self._ctx.kv_cache_seq_rm(-1, -1, -1)
+            self.n_tokens = 0
+            tokens = prefix + list(tokens)
+        super().eval(tokens)
 
     def load_state(self, state: Any) -> None:
         try:

@@ -18,16 +18,16 @@ field by field):
   (groups of Gv channels).
 
 Semantics chosen where the spec is silent (documented again on the methods):
-- seq_rm(seq, p0) removes positions >= p0. Sealed groups entirely below p0 stay sealed (even when they are now
-  within R of the end). A sealed group cut by p0 is unsealed: its remaining tokens return to the fp16 tail as
-  what they were served as (pooled tokens: their exact fp16 K/V, leaving the pools; the others: their dequantized
-  values rounded to fp16). Later groups and the tail beyond p0 are dropped, pool entries at or after the first
-  unsealed position are removed, the remaining pool entries keep their scores and the tracing flag is unchanged.
-  p0 <= 0 clears the sequence completely (tracing back on).
-- Sealed state does not depend on how a prompt is split into ubatches: sealing a group depends only on its
-  tokens and on the pools left by the groups before it, so the state after n positions is a function of the
-  fp16 inputs and of the number of sealed groups, which is floor((pos_max + 1 - R) / G) at the last ubatch.
-  A query's output depends only on the number of groups sealed before its ubatch.
+- Batches (batch invariance): a query at position p sees exactly S(p) = max(0, floor((p - R) / G)) sealed groups,
+  the number sealed when p is processed alone, and every other token in fp16. The cache splits a batch of a
+  sequence into ubatches that never cross a position R + kG (ubatch_splits; OttCache.process_batch), so a
+  ubatch's own tokens, which it sees in fp16, are exactly those the rule serves in fp16: the outputs, and the
+  state, do not depend on how a prompt was split into batches or ubatches, token by token included.
+- seq_rm(seq, p0) removes positions >= p0 only where the result is what a fresh run over [0, p0) holds: when no
+  sealed group would have to be cut or dropped, S(p0) >= groups sealed (can_cut; p0 <= 0, which clears the
+  sequence completely with tracing back on, and p0 past the end always can). Any other cut would serve in 2-bit
+  tokens that a fresh run holds in fp16: it is refused (False, nothing changes) and the caller processes the
+  kept prefix again from position 0 (llama-server and ott_gguf.Llama do).
 - Layers with outlier_num = 0 never touch their pools or tracing flag (which stays on).
 - Pools are kept sorted by position: a canonical order, so native slot arrays compare after sorting by position.
 - Under the identity quantizer a sealed group stores zero codes, scales and mins, and k_hat/v_hat are its fp16
@@ -376,31 +376,43 @@ def seal_eligible(state: HeadState, config: OttConfig, outlier_num: int) -> None
         seal_group(state, config, outlier_num)
 
 
-def truncate(state: HeadState, p0: int) -> None:
-    """Remove positions >= p0 in place (see the module docstring for the semantics)."""
-    G = state.G
+def sealed_at(p: int, config: OttConfig) -> int:
+    """S(p): the groups sealed when position p is processed alone (and so the groups a query at p sees sealed)."""
+    return max(0, (p - config.R) // config.G)
+
+
+def ubatch_splits(start: int, n: int, config: OttConfig, n_ubatch: int) -> list[tuple[int, int]]:
+    """Positions [start, start + n) of one sequence as ubatches [a, b) of at most n_ubatch positions that never
+    cross a position R + kG, where one more group is sealed for the queries after it (batch invariance)."""
+    if n_ubatch <= 0:
+        raise ValueError("n_ubatch must be positive")
+    out, a = [], start
+    while a < start + n:
+        headroom = config.R + (sealed_at(a, config) + 1) * config.G - a
+        b = min(start + n, a + n_ubatch, a + headroom)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def can_cut(state: HeadState, p0: int, config: OttConfig) -> bool:
+    """Whether removing positions >= p0 leaves what a fresh run over [0, p0) holds (see the module docstring)."""
+    return p0 <= 0 or p0 >= state.n_pos or sealed_at(p0, config) >= state.n_sealed
+
+
+def truncate(state: HeadState, p0: int, config: OttConfig) -> bool:
+    """Remove positions >= p0 in place where can_cut allows it (True); else change nothing (False)."""
+    if not can_cut(state, p0, config):
+        return False
     if p0 <= 0:
         # nothing left: a fresh state (tracing on again), in place so that holders of `state` see it
-        state.__dict__.update(HeadState.empty(G, state.head_dim).__dict__)
-        return
-    if p0 >= state.n_pos:
-        return
-    n_keep = min(state.n_sealed, p0 // G)  # groups entirely below p0
-    if n_keep < state.n_sealed:
-        # unseal group n_keep: its tokens below p0 return to the tail as they were served
-        pos, k, v = state.served()
-        lo = n_keep * G
-        state.tail_pos = pos[lo:p0].copy()
-        state.tail_k = k[lo:p0].astype(np.float16)
-        state.tail_v = v[lo:p0].astype(np.float16)
-        state.groups = state.groups[:n_keep]
-        state.pool = state.pool.take(state.pool.pos < lo)
-        state.aux = state.aux.take(state.aux.pos < lo)
-    else:
-        keep = state.tail_pos < p0
-        state.tail_pos = state.tail_pos[keep]
-        state.tail_k = state.tail_k[keep]
-        state.tail_v = state.tail_v[keep]
+        state.__dict__.update(HeadState.empty(state.G, state.head_dim).__dict__)
+        return True
+    keep = state.tail_pos < p0
+    state.tail_pos = state.tail_pos[keep]
+    state.tail_k = state.tail_k[keep]
+    state.tail_v = state.tail_v[keep]
+    return True
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -551,21 +563,45 @@ class OttCache:
             out[:, h * per_kv : (h + 1) * per_kv] = res.reshape(n, per_kv, D)
         return out
 
-    def seq_rm(self, seq_id: int, p0: int) -> None:
-        """Remove positions >= p0 of a sequence in every layer.
+    def process_batch(
+        self,
+        seq_id: int,
+        layer: int,
+        q: np.ndarray | None,
+        k: np.ndarray,
+        v: np.ndarray,
+        pos: np.ndarray,
+        n_ubatch: int,
+        kq_scale: float | None = None,
+        int8_query: bool = False,
+    ) -> np.ndarray | None:
+        """process_ubatch over the ubatches the native cache splits a batch into (ubatch_splits): the outputs
+        are those of processing the positions one at a time."""
+        pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+        if len(pos) == 0:
+            raise ValueError("an empty batch")
+        outs = []
+        for a, b in ubatch_splits(int(pos[0]), len(pos), self.config, n_ubatch):
+            i, j = a - int(pos[0]), b - int(pos[0])
+            out = self.process_ubatch(seq_id, layer, None if q is None else q[i:j], k[i:j], v[i:j], pos[i:j],
+                                      kq_scale, int8_query)  # fmt: skip
+            outs.append(out)
+        return None if q is None else np.concatenate(outs)  # type: ignore[arg-type]
 
-        A sealed group containing positions >= p0 is unsealed if it also holds positions < p0: those come back
-        into the fp16 tail as they were served (pooled: exact K/V, leaving the pools; others: fp16(dequantized)).
-        Groups after it are dropped, pools keep only positions below the first unsealed position, scores and the
-        tracing flag are kept. p0 <= 0 clears the sequence (tracing on again).
-        """
+    def seq_rm(self, seq_id: int, p0: int) -> bool:
+        """Remove positions >= p0 of a sequence in every layer where that leaves what a fresh run over [0, p0)
+        holds (True); otherwise change nothing (False, see the module docstring). p0 <= 0 clears the sequence
+        (tracing on again)."""
         if seq_id not in self._seqs:
-            return
-        for layer in self._seqs[seq_id]:
-            for hs in layer:
-                truncate(hs, p0)
+            return True
+        heads = [hs for layer in self._seqs[seq_id] for hs in layer]
+        if not all(can_cut(hs, p0, self.config) for hs in heads):
+            return False
+        for hs in heads:
+            truncate(hs, p0, self.config)
         if p0 <= 0:
             del self._seqs[seq_id]
+        return True
 
 
 # -------------------------------------------------------------------------------------------------- memory

@@ -1,5 +1,6 @@
 """The side-by-side benchmark of issue 4 (docs/benchmarks.md): K/V bytes per token, llama-bench speed and
-llama-perplexity fidelity of f16, q8_0, q4_0, kivi2 and ott2 on the test models, measured on this machine.
+llama-perplexity fidelity of f16, q8_0, q4_0, kivi2, ott2 and the ott3/ott2 and ott4/ott2 tiers on the test models,
+measured on this machine.
 
     python -m study.benchmarks --out docs/benchmarks.md [--models smollm2-135m,gemma3-270m] [--threads 2]
 
@@ -25,9 +26,10 @@ from ott_gguf.bench import BenchRow, bench
 from ott_gguf.corpus import docs_text
 from ott_gguf.evaluate import import_pyplot
 from ott_gguf.info import measure_kv_bytes
-from ott_gguf.kv_types import resolve_kv_type
+from ott_gguf.kv_types import resolve_kv_types
 
-KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2")
+# the quality tier of issue 12 (3- or 4-bit keys, 2-bit rotated values) beside the maximum-compression ott2
+KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "ott4/ott2")
 MEM_CTX = (2048, 8192, 32768)
 TEXT_BYTES = 200_000  # spec/targets.md: the first 200,000 bytes of the pinned llama.cpp docs
 
@@ -43,9 +45,9 @@ class PplRow:
 
 
 def _perplexity_cmd(model: Path, kv_type: str, text: Path, threads: int, chunks: int) -> list[str]:
-    t = resolve_kv_type(kv_type)
+    k, v = resolve_kv_types(kv_type)
     return [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "2048", "-b", "2048",
-            "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", t, "-ctv", t]  # fmt: skip
+            "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", k, "-ctv", v]  # fmt: skip
 
 
 def _num(pattern: str, text: str) -> float:

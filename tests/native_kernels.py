@@ -51,8 +51,6 @@ _ffi.cdef(
     typedef void (*ott_attn_tail_fn)(int D, int n_rows, const float * q, const int32_t * q_pos, float scale,
             int n_t, int32_t pos0, const uint16_t * tk, const uint16_t * tv, int stride,
             float * M, float * L, float * acc, void * scratch);
-    typedef void (*ott_unseal_fn)(int D, const void * kq, const void * vq, int n_keep, uint16_t * out_k,
-            uint16_t * out_v);
     typedef struct {
         int kbits;
         int vbits;
@@ -65,7 +63,6 @@ _ffi.cdef(
         ott_attn_fn attn;
         ott_attn_group_fn attn_group;
         ott_attn_tail_fn attn_tail;
-        ott_unseal_fn unseal;
         void (*unrotate)(int D, float * x);
     } ott_head_kernel;
     const ott_head_kernel * ott_head_kernels(int * n);
@@ -261,17 +258,6 @@ class HeadKernelSet:
             _ffi.cast(u16, _ffi.from_buffer(tv)), D, int(self.vrot), _ffi.cast("float *", _ffi.from_buffer(out)),
         )  # fmt: skip
         return out
-
-    def unseal(self, kq: np.ndarray, vq: np.ndarray, D: int, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first n_keep tokens of one sealed group as fp16 (K, V) rows (n_keep, D), rotated V turned back."""
-        k = np.zeros((max(n_keep, 1), D), np.uint16)
-        v = np.zeros((max(n_keep, 1), D), np.uint16)
-        kq = np.ascontiguousarray(kq, np.uint8)
-        vq = np.ascontiguousarray(vq, np.uint8)
-        u16 = "uint16_t *"
-        self._k.unseal(D, _ffi.from_buffer(kq), _ffi.from_buffer(vq), n_keep, _ffi.cast(u16, _ffi.from_buffer(k)),
-                       _ffi.cast(u16, _ffi.from_buffer(v)))  # fmt: skip
-        return k[:n_keep].view(np.float16), v[:n_keep].view(np.float16)
 
     def attn_rows(
         self,

@@ -101,7 +101,7 @@ def test_ott2_streaming_completion(smollm2: Path) -> None:
     assert len(chunks) > 100 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     info = llm.kv_cache_info()
     assert info["sealed"] == 128 and info["positions"] == llm.n_tokens
-    # from scratch: reusing the cached prefix would unseal group 0 from its 2-bit values, which changes the logits
+    # from scratch (the cached prefix could not be cut losslessly inside group 0 anyway: generate() would start over)
     llm.reset()
     whole = llm(PROMPT, max_tokens=170, temperature=0.0)
     assert whole["choices"][0]["text"] == streamed

@@ -58,46 +58,6 @@ def test_ott2_greedy_generation_is_coherent(smollm2: Path) -> None:
     assert again(prompt, max_tokens=80, temperature=0.0, top_k=1)["choices"][0]["text"] == out  # deterministic
 
 
-def test_prefix_reuse_matches_fresh_processing(smollm2: Path, doc_tokens: list[int]) -> None:
-    """Truncating into the sealed region (seq_rm) and continuing gives the same logits as processing the kept
-    prefix fresh with the same ubatch boundaries. With R = 0 and a cut at a group boundary both hold the same
-    sealed groups; pooled tokens are served exactly either way, so the continuation's logits are bit-identical."""
-    cfg = OttConfig(R=0)
-    a = doc_tokens[:600]
-    b = doc_tokens[:384] + doc_tokens[700:800]
-    reuse = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=2048, logits_all=True, verbose=False)
-    reuse.eval(a)
-    assert reuse.kv_cache_info()["sealed"] == 512
-    reuse.n_tokens = 384  # llama-cpp-python's prefix reuse: eval() removes positions >= 384 (unsealing group 3)
-    reuse.eval(b[384:])
-    assert reuse.kv_cache_info()["positions"] == len(b)
-    fresh = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=2048, logits_all=True, verbose=False)
-    fresh.eval(b[:384])
-    fresh.eval(b[384:])
-    got = np.array(reuse.scores[384 : len(b)])
-    want = np.array(fresh.scores[384 : len(b)])
-    np.testing.assert_array_equal(got, want)
-
-
-# Measured: a cut at 450 (66 tokens of group 3 come back as their 2-bit values) gives mean KLD 0.278 over the
-# next 574 tokens, against 0.179 when the same 450 tokens were processed fresh (fp16 recent tokens): unsealing
-# is lossy by the spec's definition, and the recent window it refills is where attention looks most.
-UNSEAL_MEAN_KLD_BOUND = 0.35
-
-
-def test_truncating_inside_a_group_continues_coherently(smollm2: Path, doc_tokens: list[int],
-                                                         f16_logits: np.ndarray) -> None:  # fmt: skip
-    """A cut inside a sealed group brings its tokens back as they were served; the continuation stays usable."""
-    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, logits_all=True, verbose=False)
-    llm.eval(doc_tokens[:700])
-    llm.n_tokens = 450  # inside sealed group 3 (384..511)
-    llm.eval(doc_tokens[450:1024])
-    info = llm.kv_cache_info()
-    assert info["positions"] == 1024 and info["sealed"] == 7 * 128
-    kld = kl_divergence(f16_logits[450:1024], np.array(llm.scores[450:1024])).mean()
-    assert kld < UNSEAL_MEAN_KLD_BOUND, kld
-
-
 # Gemma 3 270M (3 full-attention layers with ott2, 15 window layers in f16), 1536 tokens of the docs in 512-token
 # ubatches: mean KLD vs f16 measured 0.029 for ott2 and 0.078 for kivi2 with plain V (q4_0 0.144, q8_0 0.0098,
 # both of which quantize every layer); with rotated V (the default) ott2 0.028 and kivi2 0.047: rotating V helps

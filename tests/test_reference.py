@@ -25,6 +25,8 @@ from ott_gguf.reference import (
     effective_bits,
     hadamard_rotate,
     memory_bits,
+    sealed_at,
+    ubatch_splits,
 )
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -684,79 +686,62 @@ def fed(cache: OttCache, k: np.ndarray, v: np.ndarray, cuts: list[int], seq: int
     run(cache, seq, 0, None, k, v, cuts)
 
 
-@pytest.mark.parametrize("p0", [1, 31, 32, 45, 64, 70, 100, 127, 150])
-def test_seq_rm_kivi_equals_fresh_run_on_served_values(p0: int) -> None:
-    """kivi2: seq_rm(p0) then continuing equals a fresh cache fed the same tokens, where the tokens of an
-    unsealed group are replaced by fp16 of what they were served as (their dequantized values)."""
-    cfg = OttConfig.kivi2(G=32, R=8, Gv=32)
-    rng = np.random.default_rng(p0)
-    n, H, D = 160, 2, 64
+@pytest.mark.parametrize("kivi", [False, True])
+@pytest.mark.parametrize("p0", [1, 31, 33, 45, 64, 90, 127, 128, 150, 170, 199, 200, 210, 219, 220, 300])
+def test_seq_rm_cuts_only_where_a_fresh_run_holds_the_same(p0: int, kivi: bool) -> None:
+    """seq_rm(p0) is accepted exactly when S(p0) >= the groups sealed (no sealed group cut or dropped) or p0 is at
+    or past the end: then continuing equals a fresh run over the kept tokens, state for state. Any other cut is
+    refused and changes nothing (a fresh run would hold some sealed tokens in fp16)."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=0 if kivi else 2, aux_cap=8, no_outlier_layers=0)
+    rng = np.random.default_rng(100 + p0)
+    n, H, D = 220, 2, 64
     k, v = make_kv(rng, n, H, D, "outlier_channels")
-    k2, v2 = make_kv(rng, 120, H, D, "normal")
+    k[[3, 40, 41, 75, 99, 130]] *= np.float32(0.01)  # pooled tokens in several groups, some lose to later ones
+    k2, v2 = make_kv(rng, 100, H, D, "outlier_channels")
     cache = OttCache(cfg, 1, H, D)
-    fed(cache, k, v, [50])
+    fed(cache, k, v, [60, 130])
     before = [cache.state(0, 0, h) for h in range(H)]
-    cache.seq_rm(0, p0)
-    assert cache.n_pos(0) == p0
-    # what the truncated sequence must look like: kept groups as they were, the unsealed group's tokens (and the
-    # tail) as they were served, in fp16
-    n_keep = min(before[0].n_sealed, p0 // cfg.G)
-    lo = n_keep * cfg.G
-    kx, vx = k[:p0].copy(), v[:p0].copy()
-    for h, s in enumerate(before):
-        _, sk, sv = s.served()
-        kx[lo:, h], vx[lo:, h] = sk[lo:p0], sv[lo:p0]
-    for h in range(H):
-        s = cache.state(0, 0, h)
-        assert s.n_sealed == n_keep and s.tail_pos.tolist() == list(range(n_keep * cfg.G, p0))
-        assert f16_equal(s.tail_k, kx[n_keep * cfg.G :, h]) and f16_equal(s.tail_v, vx[n_keep * cfg.G :, h])
+    assert before[0].n_sealed == 6 == sealed_at(n, cfg)
+    ok = cache.seq_rm(0, p0)
+    assert ok == (p0 >= 200), p0  # S(p0) = (p0 - 8) // 32 >= 6 from 200 on
+    if not ok:
+        for h in range(H):
+            assert_state_equal(cache.state(0, 0, h), before[h])
+        return
+    keep = min(p0, n)
     fed(cache, k2, v2, [7])
     fresh = OttCache(cfg, 1, H, D)
-    fed(fresh, np.concatenate([kx, k2]), np.concatenate([vx, v2]), [])
+    fed(fresh, np.concatenate([k[:keep], k2]), np.concatenate([v[:keep], v2]), [])
     for h in range(H):
         assert_state_equal(cache.state(0, 0, h), fresh.state(0, 0, h))
 
 
-@pytest.mark.parametrize("p0", [33, 45, 64, 90, 127, 128, 150, 170])
-def test_seq_rm_ott_unseal_and_continue(p0: int) -> None:
-    """ott2: the state after seq_rm(p0) is exactly the documented one, continuing keeps every invariant, and with
-    the identity quantizer the outputs afterwards are dense attention over the truncated sequence (exact rollback)."""
-    rng = np.random.default_rng(100 + p0)
-    n, H, D = 200, 1, 64
+@pytest.mark.parametrize("n_ubatch", [1, 7, 32, 100, 512])
+def test_outputs_do_not_depend_on_batching(n_ubatch: int) -> None:
+    """Batch invariance: a prompt processed as one batch (split by the cache at R + kG), in random batches, or
+    token by token gives the same outputs and the same state; each batch's ubatches never cross R + kG."""
+    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=8, no_outlier_layers=0)
+    rng = np.random.default_rng(n_ubatch)
+    n, H, D = 230, 2, 64
     k, v = make_kv(rng, n, H, D, "outlier_channels")
-    k[[3, 40, 41, 75, 99, 130]] *= np.float32(0.01)  # pooled tokens in several groups, some lose to later ones
-    k2, v2 = make_kv(rng, 100, H, D, "outlier_channels")
-    q2 = rng.standard_normal((100, 2, D)).astype(np.float32)
-    for identity in (False, True):
-        cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=8, no_outlier_layers=0, identity=identity)
-        cache = OttCache(cfg, 1, H, D)
-        fed(cache, k, v, [60, 130])
-        s0 = cache.state(0, 0, 0)
-        assert len(s0.aux) > 0  # the scenario exercises the aux pool
-        cache.seq_rm(0, p0)
-        s = cache.state(0, 0, 0)
-        n_keep = min(s0.n_sealed, p0 // cfg.G)
-        lo = n_keep * cfg.G
-        _, sk, sv = s0.served()
-        assert s.n_sealed == n_keep and s.tracing == s0.tracing
-        for ga, gb in zip(s.groups, s0.groups[:n_keep], strict=True):
-            assert np.array_equal(ga.k_codes, gb.k_codes) and np.array_equal(ga.placeholders, gb.placeholders)
-        assert s.tail_pos.tolist() == list(range(lo, p0))
-        assert f16_equal(s.tail_k, sk[lo:p0]) and f16_equal(s.tail_v, sv[lo:p0])
-        assert s.pool.pos.tolist() == [p for p in s0.pool.pos.tolist() if p < lo]
-        assert s.aux.pos.tolist() == [p for p in s0.aux.pos.tolist() if p < lo]
-        assert np.array_equal(s.pool.score, s0.pool.score[s0.pool.pos < lo])
-        out = run(cache, 0, 0, q2, k2, v2, [10, 50])
-        s1 = cache.state(0, 0, 0)
-        pooled = np.concatenate([s1.pool.pos, s1.aux.pos])
-        assert len(s1.pool) <= 2 and len(s1.aux) <= 8 and len(np.unique(pooled)) == len(pooled)
-        assert sorted(pooled.tolist()) == sorted(p for g in s1.groups for p in g.placeholders.tolist())
-        assert s1.n_sealed == n_sealed_after(p0 + 100, cfg) and s1.n_pos == p0 + 100
-        if identity:
-            kk = np.concatenate([k[:p0], k2]).astype(np.float16)
-            vv = np.concatenate([v[:p0], v2]).astype(np.float16)
-            want = dense_gqa(q2, kk, vv, np.arange(p0, p0 + 100), np.arange(p0 + 100))
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+    q = rng.standard_normal((n, 4, D)).astype(np.float32)
+    one = OttCache(cfg, 1, H, D)
+    token = OttCache(cfg, 1, H, D)
+    batches = OttCache(cfg, 1, H, D)
+    want = np.concatenate([token.process_ubatch(0, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], [i]) for i in range(n)])
+    got = one.process_batch(0, 0, q, k, v, np.arange(n), n_ubatch)
+    cuts = [0, *sorted(rng.choice(np.arange(1, n), 6, replace=False).tolist()), n]
+    parts = [
+        batches.process_batch(0, 0, q[a:b], k[a:b], v[a:b], np.arange(a, b), n_ubatch)
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # fp32 matmuls of other shapes
+    np.testing.assert_allclose(np.concatenate(parts), want, rtol=1e-5, atol=1e-5)
+    for h in range(H):
+        assert_state_equal(one.state(0, 0, h), token.state(0, 0, h))
+        assert_state_equal(batches.state(0, 0, h), token.state(0, 0, h))
+    for a, b in ubatch_splits(0, n, cfg, n_ubatch):
+        assert b - a <= n_ubatch and sealed_at(a, cfg) == sealed_at(b - 1, cfg)
 
 
 @pytest.mark.parametrize("p0", [45, 50, 59])
@@ -770,7 +755,7 @@ def test_seq_rm_within_tail_equals_fresh_run(p0: int) -> None:
     cache = OttCache(cfg, 1, H, D)
     fed(cache, k, v, [])
     assert cache.state(0, 0, 0).n_sealed == 1
-    cache.seq_rm(0, p0)
+    assert cache.seq_rm(0, p0)
     fed(cache, k2, v2, [5])
     fresh = OttCache(cfg, 1, H, D)
     fed(fresh, np.concatenate([k[:p0], k2]), np.concatenate([v[:p0], v2]), [])
@@ -785,9 +770,11 @@ def test_seq_rm_everything_and_past_the_end() -> None:
     cache = OttCache(cfg, 1, 1, 64)
     fed(cache, k, v, [])
     before = cache.state(0, 0, 0)
-    cache.seq_rm(0, 500)  # nothing at or after 500: no change
+    assert cache.seq_rm(0, 500)  # nothing at or after 500: no change
     assert_state_equal(cache.state(0, 0, 0), before)
-    cache.seq_rm(0, 0)  # everything: a fresh sequence, tracing on again
+    assert not cache.seq_rm(0, 100)  # would cut sealed group 2 (64..95): refused, no change
+    assert_state_equal(cache.state(0, 0, 0), before)
+    assert cache.seq_rm(0, 0)  # everything: a fresh sequence, tracing on again
     assert cache.n_pos(0) == 0 and cache.state(0, 0, 0).tracing
     fed(cache, k, v, [70])
     assert_state_equal(cache.state(0, 0, 0), before)
@@ -811,14 +798,14 @@ def test_sequences_are_independent() -> None:
             for layer in range(L):
                 o = shared.process_ubatch(seq, layer, qs[seq][a:b], k[a:b], v[a:b], np.arange(a, b))
                 outs.setdefault((seq, layer), []).append(o)
-    shared.seq_rm(1, 20)
+    assert shared.seq_rm(1, 140)  # in the tail: S(140) = 4 groups stay sealed
     for seq, (k, v) in enumerate(data):
         alone = OttCache(cfg, L, H, D)
         for layer in range(L):
             want = run(alone, 0, layer, qs[seq], k, v, [40, 41, 100])
             np.testing.assert_array_equal(np.concatenate(outs[(seq, layer)]), want)
         if seq == 1:
-            alone.seq_rm(0, 20)
+            assert alone.seq_rm(0, 140)
         for layer in range(L):
             for h in range(H):
                 assert_state_equal(shared.state(seq, layer, h), alone.state(0, layer, h))

@@ -87,7 +87,8 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
         }
         if (k < NS1 - 1) {
             // sealed groups [g0, g1) of this slice; pooled tokens inside a group cover it
-            const int32_t g0 = (int32_t) (k*n_sealed/(NS1 - 1)), g1 = (int32_t) ((k + 1)*n_sealed/(NS1 - 1));
+            const int32_t SG = ggml_ott_slice_groups(p.NG, p.NS); // absolute slices: batch invariance
+            const int32_t g0 = std::min(n_sealed, (int32_t) k*SG), g1 = std::min(n_sealed, (int32_t) (k + 1)*SG);
             const int32_t * meta = v.meta(s, h);
             const ott_slot_meta * slots = (const ott_slot_meta *) meta;
             const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];

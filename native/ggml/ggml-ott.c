@@ -70,19 +70,11 @@ struct ggml_tensor * ggml_ott_seal(struct ggml_context * ctx, struct ggml_tensor
     return result;
 }
 
-static bool ott_host_gpu_slicing = false;
-
-void ggml_ott_set_host_gpu_slicing(bool on) {
-    ott_host_gpu_slicing = on;
-}
-
-static int32_t ott_clamp(int32_t x, int32_t lo, int32_t hi) {
-    return x < lo ? lo : x > hi ? hi : x;
-}
-
 int32_t ggml_ott_attn_slices(ggml_backend_buffer_t state_buf, int64_t n_tok, int32_t NG) {
-    if (ggml_backend_buffer_is_host(state_buf) && !ott_host_gpu_slicing) {
-        return n_tok <= 4 ? 8 : 1;
-    }
-    return n_tok <= 4 ? ott_clamp(NG/2, 8, 128) : ott_clamp(NG/16, 1, 16);
+    // one rule for every batch size and backend: slice k always holds groups [k*SG, (k + 1)*SG), SG = ceil(NG/NS),
+    // so a query's partial states, and their merge, do not depend on how its batch was split
+    (void) state_buf;
+    (void) n_tok;
+    const int32_t ns = (NG + OTT_SLICE_GROUPS - 1)/OTT_SLICE_GROUPS;
+    return ns < 1 ? 1 : ns > OTT_MAX_SLICES ? OTT_MAX_SLICES : ns;
 }

@@ -38,13 +38,15 @@ GGML_API struct ggml_tensor * ggml_ott_seal(struct ggml_context * ctx, struct gg
         struct ggml_tensor * plan, struct ggml_tensor * flags, const struct ggml_ott_params * p);
 
 // slices of the sealed groups per (stream, KV head) that the attention op splits them into (its NS), for the
-// state in `state_buf`, n_tok tokens per stream and NG groups. CPU: decode splits them 8 ways (flash-decoding),
-// prefill splits over tokens instead. GPU: enough slices to fill the device (a thread block per slice), up to 2
-// groups per slice when decoding
+// state in `state_buf`, n_tok tokens per stream and NG groups: a function of NG only (batch invariance: decode and
+// prefill merge the same partial states in the same order). Slice k holds groups [k*SG, (k + 1)*SG) with
+// SG = ceil(NG/NS) (ggml_ott_slice_groups): flash-decoding over the sequence for every batch size.
+#define OTT_SLICE_GROUPS 4  // groups per slice while NG/4 slices fit in OTT_MAX_SLICES
+#define OTT_MAX_SLICES   32
 GGML_API int32_t ggml_ott_attn_slices(ggml_backend_buffer_t state_buf, int64_t n_tok, int32_t NG);
-// for tests: state in host memory sliced as on a GPU (ggml-cpu running the CUDA kernels' emulation, which
-// registers itself with ggml_ott_cpu_set_impl and sets this)
-GGML_API void ggml_ott_set_host_gpu_slicing(bool on);
+static inline int32_t ggml_ott_slice_groups(int32_t NG, int32_t NS) {
+    return (NG + NS - 1)/NS;
+}
 
 #ifdef __cplusplus
 }

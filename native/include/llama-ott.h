@@ -75,6 +75,12 @@ LLAMA_API bool llama_ott_context_config(const struct llama_context * ctx, struct
 // 0 when the context does not use an ott cache).
 LLAMA_API int32_t llama_ott_cache_info(const struct llama_context * ctx, int64_t * out, int32_t n);
 
+// Whether removing positions >= p0 of sequence seq_id (llama_memory_seq_rm(mem, seq_id, p0, -1)) keeps exactly
+// what a fresh run over [0, p0) would hold. An ott cache refuses other cuts (seq_rm returns false: a fresh run
+// would hold in fp16 tokens it has sealed); a caller that reuses a prompt prefix re-processes from 0 there.
+// True for a context without an ott cache, for p0 <= 0 and for p0 at or past the sequence's end.
+LLAMA_API bool llama_ott_seq_can_cut(const struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0);
+
 #ifdef __cplusplus
 }
 #endif

@@ -46,79 +46,33 @@ bool llama_kv_cache_ott::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1)
         if (!to_end && p1 < st.n_pos) {
             return false; // a hole in the middle of a sequence: positions must stay consecutive
         }
+        if (!can_cut(st.n_sealed, p0)) {
+            // a fresh run over [0, p0) would hold in fp16 tokens that are sealed here (2-bit): refuse, change
+            // nothing; the caller re-processes from 0 (llama-server, ott_gguf.Llama), as for caches that cannot
+            // cut everywhere
+            return false;
+        }
+    }
+    for (uint32_t s : targets) {
+        ott_stream & st = streams[s];
+        if (p0 >= st.n_pos) {
+            continue;
+        }
         if (p0 == 0) {
             reset_stream_meta(s);
             continue;
         }
-        if (p0 >= st.n_sealed*cfg.G) {
-            st.n_pos = p0; // inside the fp16 tail: the ring slots past p0 are simply unused
-            continue;
-        }
-        unseal(s, p0);
+        st.n_pos = p0; // inside the fp16 tail: the ring slots past p0 are simply unused
     }
     return true;
 }
 
-// Truncate stream s to [0, p0) with p0 inside sealed group g = p0 / G (as ott_gguf.reference.truncate does):
-// groups below g stay sealed; the tokens [gG, p0) come back into the fp16 ring as they were served (pooled ones
-// exact); pool and aux entries at or after gG are dropped; later groups are forgotten.
-void llama_kv_cache_ott::unseal(uint32_t s, llama_pos p0) {
-    const int32_t G = cfg.G;
-    const int32_t g = p0 / G, lo = g*G, n_keep = p0 - lo;
-    // a rare memory operation: the head's group, pools and meta come to the host (wherever the cache lives),
-    // are edited there and written back
-    for (auto & L : layers) {
-        const int32_t D = L.op.D, S = L.op.S, O = L.op.outlier_num;
-        const size_t row = (size_t) D*sizeof(uint16_t);
-        std::vector<uint16_t> k((size_t) G*D), v((size_t) G*D), pool((size_t) 2*S*D);
-        std::vector<char> skb(L.sealed_k->nb[1]), svb(L.sealed_v->nb[1]);
-        std::vector<int32_t> meta(L.pool_meta->ne[0]);
-        for (int32_t h = 0; h < L.op.H; ++h) {
-            ggml_backend_tensor_get(L.sealed_k, skb.data(), h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*L.sealed_k->nb[1], skb.size());
-            ggml_backend_tensor_get(L.sealed_v, svb.data(), h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3] + g*L.sealed_v->nb[1], svb.size());
-            hk->unseal((int) D, skb.data(), svb.data(), n_keep, k.data(), v.data());
-            const size_t meta_off = h*L.pool_meta->nb[1] + s*L.pool_meta->nb[2];
-            const size_t pool_off = (h + L.op.H*s)*L.pool_kv->nb[3];
-            ggml_backend_tensor_get(L.pool_meta, meta.data(), meta_off, meta.size()*sizeof(int32_t));
-            ggml_backend_tensor_get(L.pool_kv, pool.data(), pool_off, pool.size()*sizeof(uint16_t));
-            const ott_meta_row mr = { meta.data(), S };
-            ott_slot_meta * slots = mr.slots();
-            // the pools: entries inside [lo, p0) cover their placeholders, entries from lo on are dropped
-            int32_t * counts[2] = { &mr.n_pool(), &mr.n_aux() };
-            const int32_t base[2] = { 0, O };
-            for (int which = 0; which < 2; ++which) {
-                int32_t kept = 0;
-                for (int32_t i = 0; i < *counts[which]; ++i) {
-                    const int32_t slot = base[which] + i;
-                    const int32_t pos = slots[slot].pos;
-                    if (pos >= lo && pos < p0) {
-                        memcpy(&k[(size_t) (pos - lo)*D], &pool[(size_t) slot*D], row);
-                        memcpy(&v[(size_t) (pos - lo)*D], &pool[(size_t) (S + slot)*D], row);
-                    }
-                    if (pos >= lo) {
-                        continue;
-                    }
-                    const int32_t dst = base[which] + kept++;
-                    if (dst != slot) {
-                        slots[dst] = slots[slot];
-                        memcpy(&pool[(size_t) dst*D], &pool[(size_t) slot*D], row);
-                        memcpy(&pool[(size_t) (S + dst)*D], &pool[(size_t) (S + slot)*D], row);
-                    }
-                }
-                *counts[which] = kept;
-            }
-            ggml_backend_tensor_set(L.pool_meta, meta.data(), meta_off, meta.size()*sizeof(int32_t));
-            ggml_backend_tensor_set(L.pool_kv, pool.data(), pool_off, pool.size()*sizeof(uint16_t));
-            for (int32_t t = 0; t < n_keep; ++t) {
-                const int32_t pos = lo + t;
-                const size_t off = h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2];
-                ggml_backend_tensor_set(L.ring, &k[(size_t) t*D], off + (2*s + 0)*L.ring->nb[3], row);
-                ggml_backend_tensor_set(L.ring, &v[(size_t) t*D], off + (2*s + 1)*L.ring->nb[3], row);
-            }
-        }
+bool llama_kv_cache_ott::seq_can_cut(llama_seq_id seq_id, llama_pos p0) const {
+    if (seq_id < 0 || (uint32_t) seq_id >= n_stream) {
+        return true;
     }
-    streams[s].n_sealed = g;
-    streams[s].n_pos = p0;
+    const ott_stream & st = streams[seq_id];
+    return p0 >= st.n_pos || can_cut(st.n_sealed, p0);
 }
 
 void llama_kv_cache_ott::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {

@@ -214,11 +214,45 @@ bool llama_kv_cache_ott::plan_batch(llama_batch_allocr & balloc, uint32_t n_ubat
                                     std::vector<std::vector<llama_ott_stream_plan>> & plans) const {
     balloc.split_reset();
     std::vector<ott_stream> sim = streams;
+    // Batch invariance (docs/design-ott2-cache.md, "Batches"): a ubatch attends to its own tokens in fp16, so a run
+    // of a sequence must not cross a position R + kG where one more group is sealed for the queries after it; the
+    // cache cuts the ubatches there. One stream: the cap is known before the split. Several: split_equal picks
+    // the sequences, so an offending split is undone (split_reset and a replay of the caps so far, deterministic)
+    // and redone with runs no longer than the smallest headroom.
+    std::vector<uint32_t> caps;
+    auto split = [&](uint32_t cap) {
+        return n_stream == 1 ? balloc.split_simple(cap) : balloc.split_equal(cap, true, 0);
+    };
     while (true) {
-        llama_ubatch ub = n_stream == 1 ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, true, 0);
+        uint32_t cap = n_ubatch;
+        if (n_stream == 1) {
+            cap = std::min<uint32_t>(cap, (uint32_t) seal_headroom(sim[0].n_pos));
+        }
+        llama_ubatch ub = split(cap);
         if (ub.n_tokens == 0) {
             break;
         }
+        if (n_stream > 1) {
+            uint32_t n_runs = 0, headroom = UINT32_MAX;
+            for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+                if (i == 0 || ub.seq_id[i][0] != ub.seq_id[i - 1][0]) {
+                    const llama_seq_id s = ub.seq_id[i][0];
+                    n_runs++;
+                    if (s >= 0 && (uint32_t) s < n_stream) {
+                        headroom = std::min<uint32_t>(headroom, (uint32_t) seal_headroom(sim[s].n_pos));
+                    }
+                }
+            }
+            if (n_runs > 0 && ub.n_tokens / n_runs > headroom) {
+                cap = headroom*n_runs;
+                balloc.split_reset();
+                for (uint32_t c : caps) {
+                    split(c);
+                }
+                ub = split(cap);
+            }
+        }
+        caps.push_back(cap);
         // the ubatch is runs of tokens of one sequence each, all runs of equal length
         std::vector<llama_ott_stream_plan> plan;
         uint32_t run = 0;
@@ -243,6 +277,11 @@ bool llama_kv_cache_ott::plan_batch(llama_batch_allocr & balloc, uint32_t n_ubat
             }
             run++;
             if (i + 1 == ub.n_tokens || ub.seq_id[i + 1][0] != s) {
+                if (sealed_at(sim[s].n_pos + (int32_t) run - 1) != sim[s].n_sealed) {
+                    LLAMA_LOG_ERROR("%s: %s: internal error: a ubatch of sequence %d crosses a seal boundary\n",
+                                    __func__, kv_type.name, s);
+                    return false;
+                }
                 if ((uint32_t) sim[s].n_pos + run > n_ctx_seq) {
                     LLAMA_LOG_ERROR("%s: %s: sequence %d would exceed its context of %u tokens\n", __func__, kv_type.name, s, n_ctx_seq);
                     return false;

@@ -5,7 +5,7 @@
 // Where each job lives:
 //   llama-ott.cpp                 the C API, the K/V type table, configuration, model support, create_memory's hook
 //   llama-kv-cache-ott.cpp        allocation, batch planning, the memory context
-//   llama-kv-cache-ott-seq.cpp    sequence operations (seq_rm and its unseal, seq_cp, ...)
+//   llama-kv-cache-ott-seq.cpp    sequence operations (seq_rm where it is lossless, seq_cp, ...)
 //   llama-kv-cache-ott-state.cpp  state save/load
 //   llama-kv-cache-ott-graph.cpp  graph inputs and the attention hook (the ggml ops of ggml-ott.h)
 //   llama-kv-cache-ott-iswa.cpp   sliding-window models: ott on the full-attention layers, f16 on the window ones
@@ -123,6 +123,7 @@ public:
     bool get_can_shift() const override { return false; }
 
     // splits the batch into ubatches with their per-stream plans; false (error logged) when it cannot be served
+    // (seal-aligned: no run of a sequence crosses a position where S changes, see sealed_at)
     bool plan_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, std::vector<llama_ubatch> & ubatches,
                     std::vector<std::vector<llama_ott_stream_plan>> & plans) const;
     void commit(const std::vector<llama_ott_stream_plan> & plan, uint32_t n_tok);
@@ -130,13 +131,27 @@ public:
 
     // group g is sealed once n_pos - (g+1)G >= R
     int32_t sealed_after(int32_t n_sealed, int32_t n_pos) const {
-        const int32_t n = n_pos >= cfg.R ? (n_pos - cfg.R) / cfg.G : 0;
-        return std::max(n_sealed, n);
+        return std::max(n_sealed, sealed_at(n_pos));
+    }
+    // S(p): the groups sealed when position p is processed one token at a time, floor((p - R)/G) (0 below R).
+    // Batch invariance: a query at p always sees exactly S(p) groups quantized, however the batch was split.
+    int32_t sealed_at(int32_t p) const {
+        return p >= cfg.R ? (p - cfg.R) / cfg.G : 0;
+    }
+    // tokens from position p on that keep S constant (>= 1): a ubatch of a sequence never crosses R + kG
+    int32_t seal_headroom(int32_t p) const {
+        return cfg.R + (sealed_at(p) + 1)*cfg.G - p;
+    }
+    // whether keeping [0, p0) of a stream with n_sealed sealed groups leaves what a fresh run over those p0
+    // positions holds (its sealed groups are ours, its fp16 tail is ours): S(p0) >= n_sealed
+    bool can_cut(int32_t n_sealed, int32_t p0) const {
+        return p0 <= 0 || sealed_at(p0) >= n_sealed;
     }
 
     // llama-kv-cache-ott-seq.cpp: sequences
     void clear(bool data) override;
     bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    bool seq_can_cut(llama_seq_id seq_id, llama_pos p0) const; // seq_rm(seq_id, p0, -1) would succeed
     void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
     void seq_keep(llama_seq_id seq_id) override;
     void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;
@@ -169,7 +184,6 @@ private:
     void state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const;
     void state_read_body (llama_io_read_i  & io, llama_seq_id seq_id);
     void reset_stream_meta(uint32_t s);
-    void unseal(uint32_t s, llama_pos p0);
 
     std::vector<ott_layer> layers;
     std::vector<int32_t> layer_ids;
@@ -238,6 +252,7 @@ public:
 
     void clear(bool data) override;
     bool seq_rm  (llama_seq_id seq_id, llama_pos p0, llama_pos p1) override;
+    bool seq_can_cut(llama_seq_id seq_id, llama_pos p0) const; // seq_rm(seq_id, p0, -1) would succeed
     void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
     void seq_keep(llama_seq_id seq_id) override;
     void seq_add (llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) override;

@@ -271,6 +271,11 @@ bool llama_ott_context_config(const struct llama_context * lctx, struct llama_ot
     return kv != nullptr;
 }
 
+bool llama_ott_seq_can_cut(const struct llama_context * lctx, llama_seq_id seq_id, llama_pos p0) {
+    const llama_kv_cache_ott * kv = ott_cache_of(lctx, nullptr);
+    return !kv || kv->seq_can_cut(seq_id, p0);
+}
+
 int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, int32_t n) {
     int64_t vals[9] = { 0 };
     const llama_kv_cache_ott * kv = ott_cache_of(lctx, &vals[7]);

@@ -91,12 +91,10 @@ void * find(const char * name) {
 }
 
 using set_impl_fn = void (*)(const ggml_ott_cpu_impl *);
-using set_slicing_fn = void (*)(bool);
 
 void install(bool on) {
     const auto set_impl = (set_impl_fn) find("ggml_ott_cpu_set_impl");
-    const auto set_slicing = (set_slicing_fn) find("ggml_ott_set_host_gpu_slicing");
-    if (!set_impl || !set_slicing) {
+    if (!set_impl) {
         if (!on) {
             return; // the process already unloaded ggml
         }
@@ -104,7 +102,6 @@ void install(bool on) {
         abort();
     }
     set_impl(on ? &emu_impl : nullptr);
-    set_slicing(on);
 }
 
 } // namespace

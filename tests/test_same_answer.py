@@ -1,0 +1,175 @@
+"""Same prompt, same answer (issue 13): the ott caches do not depend on how a prompt was split into batches and
+ubatches, and a reused prompt prefix is cut only where the cache holds what a fresh run would."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from ott_gguf import Llama
+from ott_gguf.corpus import docs_text
+
+from helpers import serving
+
+N_PROMPT = 640  # > R + 4G: five groups sealed
+OTT_TYPES = ["ott2", "ott3", "ott4", "kivi2", "kivi3", "kivi4", "ott3/ott2"]
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(smollm2: Path) -> list[int]:
+    llm = Llama(str(smollm2), kv_type="f16", n_ctx=256, verbose=False)
+    toks = llm.tokenize(docs_text(40_000).encode())
+    llm.close()
+    return toks[:N_PROMPT]
+
+
+def last_logits(model: Path, kv_type: str, tokens: list[int], chunks: list[int], n_ubatch: int) -> np.ndarray:
+    """Last-token logits after evaluating `tokens` in the given consecutive chunks (one llama_decode each)."""
+    llm = Llama(str(model), kv_type=kv_type, n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, verbose=False)
+    i = 0
+    for c in chunks:
+        llm.eval(tokens[i : i + c])
+        i += c
+    assert i == len(tokens)
+    out = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+    llm.close()
+    return out
+
+
+def split_modes(n: int) -> dict[str, tuple[list[int], int]]:
+    cuts = sorted(np.random.default_rng(7).choice(np.arange(1, n), 7, replace=False).tolist())
+    bounds = [0, *cuts, n]
+    return {
+        "ubatch 128": ([n], 128),
+        "ubatch 512": ([n], 512),
+        "random splits": ([b - a for a, b in zip(bounds, bounds[1:], strict=False)], 512),
+        "last token alone": ([n - 1, 1], 1024),
+        "token by token": ([1] * n, 1),
+    }
+
+
+def spread(model: Path, kv_type: str, tokens: list[int]) -> tuple[float, bool]:
+    """(max |logit - one-batch logit| over the split modes, whether the argmax never changed)."""
+    base = last_logits(model, kv_type, tokens, [len(tokens)], 1024)
+    worst, same = 0.0, True
+    for chunks, n_ubatch in split_modes(len(tokens)).values():
+        x = last_logits(model, kv_type, tokens, chunks, n_ubatch)
+        worst = max(worst, float(np.abs(x - base).max()))
+        same = same and int(x.argmax()) == int(base.argmax())
+    return worst, same
+
+
+@pytest.fixture(scope="module")
+def f16_spread(smollm2: Path, prompt_tokens: list[int]) -> float:
+    worst, same = spread(smollm2, "f16", prompt_tokens)
+    # measured: 0.78 (random splits), argmax unchanged; q8_0: 0.0
+    print(f"f16: max |d logit| over the split modes {worst:.4f}")
+    assert same
+    return worst
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", *OTT_TYPES])
+def test_logits_do_not_depend_on_batching(smollm2: Path, prompt_tokens: list[int], f16_spread: float,
+                                          kv_type: str) -> None:  # fmt: skip
+    """A 640-token prompt evaluated in one batch, with ubatches of 128 and 512, split at random points, with its
+    last token alone and token by token: the same argmax, and for the ott types the same logits bit for bit
+    (measured 0.0 for every ott type; f16's own spread 0.78), so never more than f16's spread."""
+    worst, same = spread(smollm2, kv_type, prompt_tokens)
+    print(f"{kv_type}: max |d logit| {worst:.4f} (f16 {f16_spread:.4f})")
+    assert same
+    assert worst <= f16_spread
+    if kv_type != "q8_0":
+        assert worst == 0.0
+
+
+def test_prefix_reuse_cuts_only_where_it_is_lossless(smollm2: Path, prompt_tokens: list[int]) -> None:
+    """After 700 positions (5 groups sealed), cutting at 450 would serve sealed 2-bit tokens that a fresh run holds
+    in fp16: seq_rm refuses it (nothing changes) and ott_gguf.Llama processes the prefix again; cutting at 690
+    (S(690) = 5 groups, inside the fp16 tail) is reused. Both continuations equal a fresh run bit for bit."""
+    toks = prompt_tokens + prompt_tokens[:260]  # 900 tokens
+    fresh = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, logits_all=True, verbose=False)
+    fresh.eval(toks)
+    want = np.array(fresh.scores[: len(toks)])
+    fresh.close()
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, logits_all=True, verbose=False)
+    for cut in (450, 690):
+        llm.reset()
+        llm.eval(toks[:700])
+        assert llm.kv_cache_info()["sealed"] == 5 * 128
+        reused = llm._ctx.kv_cache_seq_rm(0, cut, -1)
+        assert reused == (cut == 690)
+        assert llm.kv_cache_info()["positions"] == (cut if reused else 700)
+        llm.n_tokens = cut  # llama-cpp-python's prefix reuse: eval() continues after the first `cut` tokens
+        llm.eval(toks[cut:])
+        assert llm.kv_cache_info()["positions"] == len(toks)
+        np.testing.assert_array_equal(np.array(llm.scores[cut : len(toks)]), want[cut:])
+    llm.close()
+
+
+@pytest.mark.parametrize("n_prompt", [300, 288])
+def test_load_state_then_the_same_prompt_gives_the_live_completion(smollm2: Path, prompt_tokens: list[int],
+                                                                   n_prompt: int) -> None:  # fmt: skip
+    """save_state after a prompt, load_state in a fresh object, create_completion(same prompt) equals the live
+    completion, for the whole state and for one sequence's state (llama_state_seq_*). 288 = R + 2G: the prompt's
+    last token sealed a group, so re-decoding it cannot cut there and the prompt is processed again from 0."""
+    prompt = prompt_tokens[:n_prompt]
+    kw = dict(max_tokens=24, temperature=0.0, top_k=1)
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    llm.eval(prompt)
+    state = llm.save_state()
+    ctx = llm._ctx.ctx
+    size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+    seq = (ctypes.c_uint8 * size)()
+    assert llama_cpp.llama_state_seq_get_data(ctx, seq, size, 0) == size
+    live = llm.create_completion(prompt, **kw)["choices"][0]["text"]
+    llm.close()
+    other = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    other.load_state(state)
+    assert other.create_completion(prompt, **kw)["choices"][0]["text"] == live
+    other.close()
+    third = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    assert llama_cpp.llama_state_seq_set_data(third._ctx.ctx, seq, size, 0) == size
+    third.n_tokens = n_prompt
+    third.input_ids[:n_prompt] = prompt
+    assert third.create_completion(prompt, **kw)["choices"][0]["text"] == live
+    third.close()
+
+
+QUESTIONS = ["Name three colors.", "What is the capital of France?", "Give me a word that rhymes with cat."]
+
+
+def test_server_answers_do_not_depend_on_slot_history(smollm2: Path, tmp_path: Path) -> None:
+    """ott2 server, 4 slots: each question asked on a fresh slot, in slot 0 after a long unrelated request, and
+    with cache_prompt false gets the same greedy answer; a follow-up in the same conversation reuses the cached
+    prefix (cache_n > 0) and answers as it does without the cache."""
+    long_text = docs_text(12_000)[:2500]
+    kw: dict[str, object] = dict(max_tokens=24, temperature=0.0, top_k=1)
+    with serving(smollm2, "ott2", 4096, tmp_path / "server.log") as srv:
+
+        def ask(messages: list[dict[str, str]], slot: int, **extra: object) -> tuple[str, int]:
+            out = srv.chat(messages, id_slot=slot, **kw, **extra)
+            text = out["choices"][0]["message"]["content"]  # type: ignore[index]
+            return str(text), int(out["timings"]["cache_n"])  # type: ignore[index]
+
+        for i, q in enumerate(QUESTIONS):
+            msgs = [{"role": "user", "content": q}]
+            fresh, _ = ask(msgs, slot=1 + i)
+            ask([{"role": "user", "content": "Summarize this text in one sentence:\n\n" + long_text}], slot=0)
+            after, _ = ask(msgs, slot=0)
+            uncached, cache_n = ask(msgs, slot=0, cache_prompt=False)
+            assert fresh.strip() and after == fresh and uncached == fresh, (q, fresh, after, uncached)
+            assert cache_n == 0
+        # a conversation long enough to seal groups (a 300-token system text), continued in the same slot
+        system = {"role": "system", "content": "Answer briefly. Context:\n" + long_text[:1400]}
+        msgs = [system, {"role": "user", "content": QUESTIONS[0]}]
+        first, _ = ask(msgs, slot=0)
+        follow = [*msgs, {"role": "assistant", "content": first}, {"role": "user", "content": "And one more?"}]
+        cont, cache_n = ask(follow, slot=0)
+        cont_uncached, _ = ask(follow, slot=0, cache_prompt=False)
+        print(f"follow-up: {cache_n} prompt tokens reused")
+        assert cache_n > 160, "the conversation's prefix was not reused past the first sealed group"
+        assert cont == cont_uncached, (cont, cont_uncached)
