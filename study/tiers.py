@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "llama-perplexity over 2048-token chunks of the pinned llama.cpp docs, KL divergence against f16; "
         "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`). Bits per element: the bytes the "
         "cache allocates for 2k/8k/32k tokens (fp16 tail, pools and, for Gemma 3, its f16 window layers "
-        "included) over the K and V elements of those tokens in every layer.\n\n" + "\n".join(parts)
+        "included) over the K and V elements of those tokens in every layer. The ott caches split llama-perplexity's "
+        "512-token ubatches at their seal boundaries (batch invariance, issue 13), so every position is scored "
+        "as generation would score it, one token at a time.\n\n" + "\n".join(parts)
         + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
     )  # fmt: skip
     a.out.write_text(text)
