@@ -826,7 +826,10 @@ def write_report(
         "`OttCache.process_ubatch` does with one-token ubatches: max(0, (p - R) // G) groups are sealed, the rest of "
         "the sequence (the R..R+G-1 tail and the query's own token) is exact. **ubatch mode** (one table): the "
         f"prompt in ubatches of {UBATCH}; a query sees the groups sealed before its ubatch and its whole ubatch "
-        "exact (what `llama-perplexity -ub 512` exercises). The tests check both against `OttCache.process_ubatch`.",
+        "exact (what `llama-perplexity -ub 512` exercised before the cache became batch-invariant; the "
+        "ott caches now cut ubatches at their seal boundaries, so every query is in decode mode, "
+        "OttCache.process_batch). "
+        "The tests check both against `OttCache.process_ubatch`.",
         "- **ott2 / kivi2**: sealed group by group by `ott_gguf.reference.seal_group` itself (pools, aux pool, "
         "tracing, placeholders), keys channel-wise over G tokens, values token-wise over Gv channels, 2 bits. "
         "kivi2 = outlier_num 0 everywhere. One parameter is varied at a time around the defaults "
