@@ -173,3 +173,25 @@ def test_server_answers_do_not_depend_on_slot_history(smollm2: Path, tmp_path: P
         print(f"follow-up: {cache_n} prompt tokens reused")
         assert cache_n > 160, "the conversation's prefix was not reused past the first sealed group"
         assert cont == cont_uncached, (cont, cont_uncached)
+
+
+def test_a_refused_cut_changes_nothing_on_a_sliding_window_model(gemma3: Path) -> None:
+    """Gemma 3 (ott2 on the full-attention layers, an f16 cache on the window layers): a cut the ott cache refuses
+    leaves the window cache untouched too, and continuing equals a run that never tried the cut."""
+    llm = Llama(str(gemma3), kv_type="f16", n_ctx=256, verbose=False)
+    toks = llm.tokenize(docs_text(20_000).encode())[:460]
+    llm.close()
+    runs = []
+    for try_cut in (False, True):
+        llm = Llama(str(gemma3), kv_type="ott2", n_ctx=1024, logits_all=True, verbose=False)
+        llm.eval(toks[:400])
+        assert llm.kv_cache_info()["sealed"] == 2 * 128
+        if try_cut:
+            mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+            assert not llama_cpp.llama_memory_seq_rm(mem, 0, 100, -1)
+            assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 399
+            assert llm.kv_cache_info()["positions"] == 400
+        llm.eval(toks[400:])
+        runs.append(np.array(llm.scores[400 : len(toks)]))
+        llm.close()
+    np.testing.assert_array_equal(runs[1], runs[0])

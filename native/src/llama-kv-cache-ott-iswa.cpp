@@ -62,9 +62,12 @@ void llama_kv_cache_ott_iswa::clear(bool data) {
 }
 
 bool llama_kv_cache_ott_iswa::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
-    const bool ok_ott = kv_ott->seq_rm(seq_id, p0, p1);
-    const bool ok_swa = kv_swa->seq_rm(seq_id, p0, p1);
-    return ok_ott && ok_swa;
+    // the ott cache refuses a lossy cut without changing anything: ask it first, so that a refusal leaves the
+    // window cache untouched too
+    if (!kv_ott->seq_rm(seq_id, p0, p1)) {
+        return false;
+    }
+    return kv_swa->seq_rm(seq_id, p0, p1);
 }
 
 void llama_kv_cache_ott_iswa::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
