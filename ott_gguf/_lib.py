@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-from .kv_types import OttConfig
+from .kv_types import MAX_LAYERS, OttConfig, format_layer_widths, parse_layer_widths
 
 PKG_DIR = Path(__file__).resolve().parent
 # OTT_GGUF_NATIVE_DIR: use the native build installed elsewhere (an installed ott_gguf package directory),
@@ -82,25 +83,36 @@ def loaded_library_path() -> str:
 
 
 class LlamaOttConfig(ctypes.Structure):
-    """struct llama_ott_config: every field an int32 (v_rotate 0 or 1)."""
+    """struct llama_ott_config: int32 fields (v_rotate 0 or 1), then layer_widths, one byte per layer (0: the
+    K/V types' widths, else K bits * 16 + V bits)."""
 
-    _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS]
+    _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS] + [
+        ("layer_widths", ctypes.c_uint8 * MAX_LAYERS)
+    ]
 
     @classmethod
     def of(cls, cfg: OttConfig) -> LlamaOttConfig:
-        return cls(*cfg.native())
+        c = cls(*cfg.native())
+        for il, (k, v) in parse_layer_widths(cfg.layer_widths).items():
+            c.layer_widths[il] = k * 16 + v
+        return c
 
     def to_config(self) -> OttConfig:
         """The OttConfig of these values (v_rotate as a bool; Gv: the build's)."""
-        values = {name: int(getattr(self, name)) for name in OttConfig.NATIVE_FIELDS}
+        values: dict[str, Any] = {name: int(getattr(self, name)) for name in OttConfig.NATIVE_FIELDS}
         values["v_rotate"] = bool(values["v_rotate"])
-        return OttConfig(**values, Gv=int(str(build_info()["ott2_group"])))
+        widths = {il: (w >> 4, w & 15) for il, w in enumerate(self.layer_widths) if w}
+        return OttConfig(**values, Gv=int(str(build_info()["ott2_group"])), layer_widths=format_layer_widths(widths))
 
 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "llama_ott_build_info": (ctypes.c_char_p, []),
     "llama_ott_config_default": (LlamaOttConfig, []),
     "llama_ott_config_check": (ctypes.c_bool, [ctypes.POINTER(LlamaOttConfig), ctypes.c_char_p, ctypes.c_size_t]),
+    "llama_ott_config_set_layer_widths": (
+        ctypes.c_bool,
+        [ctypes.POINTER(LlamaOttConfig), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t],
+    ),
     "llama_ott_set_thread_config": (None, [ctypes.POINTER(LlamaOttConfig)]),
     "llama_ott_kv_types": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int), ctypes.c_int32]),
     "llama_ott_supports_model": (ctypes.c_bool, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]),

@@ -42,6 +42,10 @@ class OttConfig:
     quantization off (x_hat = x), so that the output must equal dense attention. outlier_num = 0 is the KIVI
     baseline ("kivi2"). clip: the quantizer's clipped ranges (quantizer.K_CLIP64, V_ROT_CLIP64), as the native
     kernels use; False: full min-max ranges (the formats before clipping, for studies).
+
+    layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
+    the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
+    adjacent equal layers merged), so two configurations that give every layer the same widths compare equal.
     """
 
     G: int = 128
@@ -58,11 +62,15 @@ class OttConfig:
     k_rotate: bool = False
     v_rotate: bool = True
     clip: bool = True
+    layer_widths: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_widths, str):
+            raise ValueError(f"ott_config.layer_widths must be a string like '15-24:4/3', got {self.layer_widths!r}")
+        object.__setattr__(self, "layer_widths", format_layer_widths(parse_layer_widths(self.layer_widths)))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip") or (
+            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip", "layer_widths") or (
                 f.name.endswith("_bits") and value is None
             ):
                 continue
@@ -144,6 +152,17 @@ class OttConfig:
         """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate: 0 or 1)."""
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
+    def widths_for_layer(self, layer: int) -> tuple[int, int]:
+        """(K bits, V bits) of a layer: its layer_widths item, else the configuration's widths."""
+        return parse_layer_widths(self.layer_widths).get(layer, (self.kbits, self.vbits))
+
+    def for_layer(self, layer: int) -> OttConfig:
+        """The configuration one layer runs: its widths as k_bits/v_bits, no layer_widths."""
+        if not self.layer_widths:
+            return self
+        k, v = self.widths_for_layer(layer)
+        return self.replace(k_bits=k, v_bits=v, layer_widths="")
+
     def outliers_for_layer(self, layer: int) -> int:
         """Outlier pool capacity of a layer: the first no_outlier_layers layers have none."""
         return 0 if layer < self.no_outlier_layers else self.outlier_num
@@ -167,6 +186,47 @@ class OttConfig:
         from .quantizer import CLIP_ONE, V_ROT_CLIP64, BlockFormat
 
         return BlockFormat(self.vbits, self.Gv, V_ROT_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE)
+
+
+MAX_LAYERS = 256  # LLAMA_OTT_MAX_LAYERS: layers a layer_widths item may name
+
+
+def parse_layer_widths(spec: str) -> dict[int, tuple[int, int]]:
+    """{layer: (K bits, V bits)} of a layer_widths string ("15-24:4/3,0:3/2"; later items win), as the native
+    llama_ott_config_set_layer_widths reads it; ValueError saying what is wrong."""
+    out: dict[int, tuple[int, int]] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        layers, _, widths = item.partition(":")
+        first, _, last = layers.partition("-")
+        k, _, v = widths.partition("/")
+        try:
+            a, b, kb, vb = int(first), int(last or first), int(k), int(v)
+        except ValueError:
+            raise ValueError(
+                f"ott_config.layer_widths: cannot read {item!r}: items are LAYER[-LAST]:K/V, e.g. 15-24:4/3"
+            ) from None
+        if not 0 <= a <= b < MAX_LAYERS:
+            raise ValueError(f"ott_config.layer_widths: layers {a}-{b} are not a range within [0, {MAX_LAYERS - 1}]")
+        if kb not in _BITS or vb not in _BITS:
+            raise ValueError(f"ott_config.layer_widths: widths {kb}/{vb} are not K/V bits of {_BITS}")
+        out.update({il: (kb, vb) for il in range(a, b + 1)})
+    return out
+
+
+def format_layer_widths(widths: dict[int, tuple[int, int]]) -> str:
+    """The canonical string of {layer: (K bits, V bits)}: ascending runs of equal widths."""
+    items: list[str] = []
+    layers = sorted(widths)
+    i = 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1 and widths[layers[j + 1]] == widths[layers[i]]:
+            j += 1
+        k, v = widths[layers[i]]
+        span = f"{layers[i]}" if i == j else f"{layers[i]}-{layers[j]}"
+        items.append(f"{span}:{k}/{v}")
+        i = j + 1
+    return ",".join(items)
 
 
 def resolve_kv_type(kv_type: object, what: str = "kv_type") -> str:

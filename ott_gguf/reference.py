@@ -531,8 +531,9 @@ class OttCache:
             hs.tail_v = np.concatenate([hs.tail_v, v16[:, h]])
         out = None if q is None else self._attend(heads, q, pos, kq_scale, int8_query)
         on = self.config.outliers_for_layer(layer)
+        cfg = self.config.for_layer(layer)  # the layer's own code widths (layer_widths)
         for hs in heads:
-            seal_eligible(hs, self.config, on)
+            seal_eligible(hs, cfg, on)
         return out
 
     def attend(
@@ -615,17 +616,19 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     G = Gv = 128, bits = 2 tend to the 2.25 bits per element it states. Pools count their capacity (outlier_num +
     aux_cap slots, none for a layer without outliers): exact fp16 K and V, plus 32 bits of position and 32 bits of fp32
     score per slot. Tail and sealed positions are implicit (group index, consecutive positions): no bits.
-    layer: None for a layer with outliers (config.outlier_num), else config.outliers_for_layer(layer).
+    layer: None for a layer with outliers (config.outlier_num) and the configuration's widths, else that layer's
+    (config.outliers_for_layer, config.widths_for_layer).
     """
     if n_tokens <= 0:
         raise ValueError("n_tokens must be positive")
+    kbits, vbits = (config.kbits, config.vbits) if layer is None else config.widths_for_layer(layer)
     D = head_dim
     t_q = config.G * max(0, (n_tokens - config.R) // config.G)
     t_tail = n_tokens - t_q
     on = config.outlier_num if layer is None else config.outliers_for_layer(layer)
     slots = on + config.aux_cap if on > 0 else 0
     return {
-        "codes": t_q * D * (config.kbits + config.vbits),
+        "codes": t_q * D * (kbits + vbits),
         "k_scale_min": 32 * D * t_q / config.G,
         "v_scale_min": 32 * t_q * D / config.Gv,
         "tail": 2 * 16 * D * t_tail,

@@ -52,7 +52,10 @@ def server_command(
            "-ctk", k, "-ctv", v, "-fa", "on"]  # fmt: skip
     if ott and (ott_config is not None or "--ott-params" not in extra):
         # G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS,V_ROTATE: Python's defaults, not the C ones, when none is given
-        cmd += ["--ott-params", ",".join(str(x) for x in (ott_config or OttConfig()).native())]
+        cfg = ott_config or OttConfig()
+        cmd += ["--ott-params", ",".join(str(x) for x in cfg.native())]
+        if cfg.layer_widths:
+            cmd += ["--ott-layers", cfg.layer_widths]
     if ott and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):
         # the ott cache keeps one stream per sequence: tell the server, so each slot's context is n_ctx / n_slots
         # (llama-server forces a unified cache when the slot count is left on auto, so name it: 4, its auto value)

@@ -13,6 +13,8 @@
 extern "C" {
 #endif
 
+#define LLAMA_OTT_MAX_LAYERS 256
+
 // Parameters of an ott cache (spec/ott2-algorithm.md); the code widths come from the K/V types (ott3: 3 bits),
 // the values per V block (Gv) from the build.
 struct llama_ott_config {
@@ -22,11 +24,20 @@ struct llama_ott_config {
     int32_t aux_cap;           // aux pool capacity per (sequence, layer, KV head)
     int32_t no_outlier_layers; // the first N layers have no outlier pool
     int32_t v_rotate;          // 1: V is quantized from its Hadamard-rotated values (blocks of 64 channels), 0: not
+    // code widths per layer: 0 (all by default) gives a layer the widths of the K/V types; otherwise
+    // K bits * 16 + V bits (0x43: 4-bit keys, 3-bit values). Sensitive layers can take wider codes and the others
+    // narrower ones at the same bytes (docs/layer-widths.md).
+    uint8_t layer_widths[LLAMA_OTT_MAX_LAYERS];
 };
 
-// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated).
+// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), no per-layer widths.
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 
+// Sets cfg->layer_widths from a list of "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3,0:3/2"; later
+// items win; "" clears it). False, with cfg unchanged and the reason in reason (if given), when it does not parse
+// or names widths that no type has.
+LLAMA_API bool llama_ott_config_set_layer_widths(struct llama_ott_config * cfg, const char * spec, char * reason,
+                                                 size_t n);
 // Whether this build's caches accept cfg; when not, reason (if given) receives why, naming the field and the
 // allowed values.
 LLAMA_API bool llama_ott_config_check(const struct llama_ott_config * cfg, char * reason, size_t n);

@@ -33,8 +33,9 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
 // refused before anything is applied). Body: per-layer shapes, then per stream its counters and the used parts
 // of every tensor.
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
-// 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header
-static const uint32_t OTT_STATE_VERSION = 4;
+// 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header;
+// 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths)
+static const uint32_t OTT_STATE_VERSION = 5;
 static const int      OTT_STATE_HDR     = 12; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
                                               // n_layer, K bits, V bits, v_rotate
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
@@ -105,7 +106,8 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
 
 void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const {
     for (const auto & L : layers) {
-        const uint32_t shape[4] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S };
+        const uint32_t shape[6] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S,
+                                    (uint32_t) L.op.kbits, (uint32_t) L.op.vbits };
         io.write(shape, sizeof(shape));
     }
     std::vector<uint32_t> which;
@@ -209,10 +211,16 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
 
 void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_id) {
     for (const auto & L : layers) {
-        uint32_t shape[4];
+        uint32_t shape[6];
         io.read(shape, sizeof(shape));
         if (shape[0] != (uint32_t) L.op.D || shape[1] != (uint32_t) L.op.H || shape[2] != (uint32_t) L.op.T || shape[3] != (uint32_t) L.op.S) {
             throw std::runtime_error(std::string(kv_type.name) + ": the state's layer shapes differ from this model's");
+        }
+        if (shape[4] != (uint32_t) L.op.kbits || shape[5] != (uint32_t) L.op.vbits) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another configuration: "
+                                     "layer " + std::to_string(L.il) + " has K/V bits " + std::to_string(shape[4]) +
+                                     "/" + std::to_string(shape[5]) + " there, " + std::to_string(L.op.kbits) + "/" +
+                                     std::to_string(L.op.vbits) + " in this cache (layer_widths)");
         }
     }
     uint32_t n = 0;

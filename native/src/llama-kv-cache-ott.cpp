@@ -64,9 +64,21 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         bytes_pool += ggml_nbytes(f);
         return c;
     };
+    for (int32_t il = (int32_t) n_layer; il < LLAMA_OTT_MAX_LAYERS; ++il) {
+        if (cfg.layer_widths[il]) {
+            throw std::runtime_error(std::string(kv_type.name) + ": the configuration gives widths to layer " +
+                                     std::to_string(il) + ", but the model has " + std::to_string(n_layer) +
+                                     " layers (0.." + std::to_string(n_layer - 1) + ")");
+        }
+    }
     layer_ids.assign(n_layer, -1);
     for (uint32_t il = 0; il < n_layer; ++il) {
         if (filter && !filter((int32_t) il)) {
+            if (il < LLAMA_OTT_MAX_LAYERS && cfg.layer_widths[il]) {
+                throw std::runtime_error(std::string(kv_type.name) + ": the configuration gives widths to layer " +
+                                         std::to_string(il) + ", which this cache does not serve (a sliding-window "
+                                         "layer keeps an f16 cache)");
+            }
             continue;
         }
         ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
@@ -85,11 +97,16 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         ggml_context * ctx = ctx_for(buft);
         const uint32_t D = hparams.n_embd_head_k(il);
         const uint32_t H = hparams.n_head_kv(il);
+        // the layer's own widths where the configuration gives them (llama_ott_config.layer_widths)
+        const int32_t w = il < LLAMA_OTT_MAX_LAYERS ? cfg.layer_widths[il] : 0;
+        const int32_t kbits = w ? w >> 4 : kv_type.kbits, vbits = w ? w & 15 : kv_type.vbits;
+        const ott_head_kernels * hkl = ott_head_find(kbits, vbits);
+        GGML_ASSERT(hkl && hkl->G == hk->G && hkl->Gv == hk->Gv);
         ott_layer L;
         L.il = il;
         L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
-        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*hk->kb, NG, H, n_stream);
-        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*hk->vb, NG, H, n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*hkl->kb, NG, H, n_stream);
+        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*hkl->vb, NG, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, ott_meta_row::len(S), H, n_stream);
         L.flags     = flags[std::find(ctxs.begin(), ctxs.end(), ctx) - ctxs.begin()];
@@ -110,8 +127,8 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.n_stream    = (int32_t) n_stream;
         L.op.outlier_num = (int32_t) il < cfg.no_outlier_layers ? 0 : cfg.outlier_num;
         L.op.aux_cap     = cfg.aux_cap;
-        L.op.kbits       = kv_type.kbits;
-        L.op.vbits       = kv_type.vbits;
+        L.op.kbits       = kbits;
+        L.op.vbits       = vbits;
         L.op.v_rotate    = cfg.v_rotate;
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
@@ -144,6 +161,11 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
                    "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
                    n_stream, n_ctx_seq, kv_type.kbits, kv_type.vbits, cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
+    std::string widths;
+    for (const auto & L : layers) {
+        widths += " " + std::to_string(L.op.kbits) + "/" + std::to_string(L.op.vbits);
+    }
+    LLAMA_LOG_INFO("%s: %s cache: K/V bits by layer:%s\n", __func__, kv_type.name, widths.c_str());
     LLAMA_LOG_INFO("%s: %s cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
                    __func__, kv_type.name, (bytes_quant + bytes_tail + bytes_pool)/1048576.0, bytes_quant/1048576.0,
                    bytes_tail/1048576.0, bytes_pool/1048576.0);

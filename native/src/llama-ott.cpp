@@ -11,6 +11,7 @@
 #include "llama-model.h"
 
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -51,8 +52,57 @@ int32_t llama_ott_kv_types(enum ggml_type * out, int32_t n) {
 // ---------------------------------------------------------------------------------------- configuration
 
 llama_ott_config llama_ott_config_default(void) {
-    return { /*.G =*/ 128, /*.R =*/ 32, /*.outlier_num =*/ 3, /*.aux_cap =*/ 32, /*.no_outlier_layers =*/ 2,
-             /*.v_rotate =*/ 1 };
+    llama_ott_config c = {};
+    c.G = 128;
+    c.R = 32;
+    c.outlier_num = 3;
+    c.aux_cap = 32;
+    c.no_outlier_layers = 2;
+    c.v_rotate = 1; // layer_widths all 0: every layer takes the widths of the K/V types
+    return c;
+}
+
+static bool ott_width_ok(int bits) {
+    return bits >= 2 && bits <= 4;
+}
+
+bool llama_ott_config_set_layer_widths(struct llama_ott_config * cfg, const char * spec, char * reason, size_t n) {
+    std::string why;
+    uint8_t w[LLAMA_OTT_MAX_LAYERS] = {};
+    for (const char * p = spec ? spec : ""; *p && why.empty();) {
+        int first = -1, last = -1, kb = 0, vb = 0, used = 0;
+        if (sscanf(p, "%d-%d:%d/%d%n", &first, &last, &kb, &vb, &used) != 4) {
+            used = 0;
+            if (sscanf(p, "%d:%d/%d%n", &first, &kb, &vb, &used) != 3) {
+                why = std::string("cannot read \"") + p + "\": items are LAYER[-LAST]:K/V, e.g. 15-24:4/3";
+                break;
+            }
+            last = first;
+        }
+        if (first < 0 || last < first || last >= LLAMA_OTT_MAX_LAYERS) {
+            why = "layers " + std::to_string(first) + "-" + std::to_string(last) + " are not a range within [0, " +
+                  std::to_string(LLAMA_OTT_MAX_LAYERS - 1) + "]";
+        } else if (!ott_width_ok(kb) || !ott_width_ok(vb)) {
+            why = "widths " + std::to_string(kb) + "/" + std::to_string(vb) + " are not K/V bits of 2, 3 or 4";
+        } else {
+            for (int il = first; il <= last; ++il) {
+                w[il] = (uint8_t) (kb*16 + vb);
+            }
+        }
+        p += used;
+        if (*p == ',') {
+            ++p;
+        } else if (*p && why.empty()) {
+            why = std::string("unexpected \"") + p + "\" (items are separated by commas)";
+        }
+    }
+    if (reason && n > 0) {
+        snprintf(reason, n, "%s", why.c_str());
+    }
+    if (why.empty()) {
+        memcpy(cfg->layer_widths, w, sizeof(w));
+    }
+    return why.empty();
 }
 
 // Upper bounds keep a typo from allocating gigabytes: the tail holds R + G tokens per (layer, head, sequence),
@@ -79,6 +129,15 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.v_rotate != 0 && c.v_rotate != 1) {
         return "v_rotate=" + std::to_string(c.v_rotate) + " must be 0 or 1";
+    }
+    for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
+        const int w = c.layer_widths[il];
+        if (w != 0 && (!ott_width_ok(w >> 4) || !ott_width_ok(w & 15))) {
+            char hex[8];
+            snprintf(hex, sizeof(hex), "0x%02x", w);
+            return "layer_widths[" + std::to_string(il) + "]=" + hex +
+                   " is not K bits * 16 + V bits with widths of 2, 3 or 4";
+        }
     }
     return "";
 }

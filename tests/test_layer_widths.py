@@ -1,0 +1,200 @@
+"""Code widths per layer (OttConfig.layer_widths, llama_ott_config.layer_widths, --ott-layers): the spec's two
+parsers agree, the reference seals each layer at its widths, and the native cache allocates, runs, saves and
+refuses by layer, on SmolLM2 and Gemma 3."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ott_gguf import Llama, OttConfig, _lib
+from ott_gguf.corpus import docs_text
+from ott_gguf.reference import OttCache, effective_bits
+from ott_gguf.server import server_command
+
+N_CTX = 512
+TIER = "15-24:4/3"  # docs/layer-widths.md
+
+
+@pytest.fixture(scope="module")
+def doc_tokens(smollm2: Path) -> list[int]:
+    vocab = Llama(str(smollm2), vocab_only=True, verbose=False)
+    toks = vocab.tokenize(docs_text(4000).encode())
+    vocab.close()
+    assert len(toks) >= 300
+    return toks[:300]
+
+
+def last_logits(llm: Llama) -> np.ndarray:
+    lc = _lib.llama_cpp_module().llama_cpp
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+
+def c_widths(spec: str) -> tuple[bool, list[int], str]:
+    cfg = _lib.native().llama_ott_config_default()
+    why = ctypes.create_string_buffer(256)
+    ok = bool(_lib.native().llama_ott_config_set_layer_widths(ctypes.byref(cfg), spec.encode(), why, 256))
+    return ok, list(cfg.layer_widths), why.value.decode()
+
+
+# --- the spec (no model needed) -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["15-24:4/3", "0:3/2,1-3:2/4", "5-9:4/4,7:2/2", " 2 : 3/3 ", ""])
+def test_python_and_c_read_a_spec_alike(spec: str) -> None:
+    ok, widths, why = c_widths(spec.replace(" ", ""))
+    assert ok, why
+    cfg = OttConfig(layer_widths=spec)
+    assert list(_lib.LlamaOttConfig.of(cfg).layer_widths) == widths
+    assert _lib.LlamaOttConfig.of(cfg).to_config().layer_widths == cfg.layer_widths
+    assert _lib.config_problem(cfg) == ""
+
+
+def test_spec_is_canonical_and_later_items_win() -> None:
+    cfg = OttConfig(layer_widths="20-24:4/3,15-19:4/3,5-9:4/4,7:2/2")
+    assert cfg.layer_widths == "5-6:4/4,7:2/2,8-9:4/4,15-24:4/3"
+    assert cfg == OttConfig(layer_widths="5-9:4/4,7:2/2,15-24:4/3")
+    assert cfg.widths_for_layer(7) == (2, 2) and cfg.widths_for_layer(16) == (4, 3)
+    assert cfg.widths_for_layer(0) == (2, 2) and cfg.replace(k_bits=3).widths_for_layer(0) == (3, 2)
+    assert cfg.for_layer(16) == OttConfig(k_bits=4, v_bits=3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("15-24", "items are LAYER"), ("3-1:2/2", "not a range"), ("1:5/2", "widths 5/2"), ("300:2/2", "not a range"),
+     ("1:2/2;2:3/3", "cannot read")],
+)  # fmt: skip
+def test_bad_specs_are_refused_by_both(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OttConfig(layer_widths=spec)
+    ok, widths, why = c_widths(spec)
+    assert not ok and why and widths == [0] * len(widths)
+
+
+def test_the_c_struct_carries_a_byte_per_layer() -> None:
+    assert ctypes.sizeof(_lib.LlamaOttConfig) == 6 * 4 + 256
+    assert list(_lib.native().llama_ott_config_default().layer_widths) == [0] * 256
+    bad = _lib.LlamaOttConfig.of(OttConfig())
+    bad.layer_widths[3] = 0x51
+    why = ctypes.create_string_buffer(256)
+    assert not _lib.native().llama_ott_config_check(ctypes.byref(bad), why, 256)
+    assert "layer_widths[3]=0x51" in why.value.decode()
+
+
+def test_reference_seals_each_layer_at_its_widths() -> None:
+    """Layer 1 of a 2-layer cache runs 4-bit keys and 3-bit values, layer 0 the configuration's 2/2, and each layer
+    holds exactly what a cache of that layer's widths holds; memory counts each layer's widths."""
+    rng = np.random.default_rng(3)
+    n, H, D = 200, 2, 64
+    k, v = rng.standard_normal((n, H, D)), rng.standard_normal((n, H, D))
+    cfg = OttConfig(layer_widths="1:4/3")
+    cache = OttCache(cfg, 2, H, D)
+    alone = OttCache(cfg.for_layer(1), 2, H, D)
+    for layer in (0, 1):
+        cache.process_ubatch(0, layer, None, k, v, np.arange(n))
+        alone.process_ubatch(0, layer, None, k, v, np.arange(n))
+    g0, g1 = cache.state(0, 0, 0).groups[0], cache.state(0, 1, 0).groups[0]
+    assert g0.k_codes.max() == 3 and g0.v_codes.max() == 3
+    assert g1.k_codes.max() == 15 and g1.v_codes.max() == 7
+    ga = alone.state(0, 1, 0).groups[0]
+    assert np.array_equal(g1.k_codes, ga.k_codes) and np.array_equal(g1.v_codes, ga.v_codes)
+    assert np.array_equal(g1.k_scale, ga.k_scale) and np.array_equal(g1.v_scale, ga.v_scale)
+    mixed = effective_bits(cfg, D, 8192, n_layer=2)
+    assert mixed == pytest.approx(
+        (effective_bits(OttConfig(), D, 8192, 2) + effective_bits(cfg.for_layer(1), D, 8192, 2)) / 2
+    )
+
+
+# --- the native cache ----------------------------------------------------------------------------------------------
+
+
+def quantized_bytes(smollm2: Path, kv_type: str, **cfg: object) -> int:
+    llm = Llama(str(smollm2), kv_type=kv_type, ott_config=cfg or None, n_ctx=N_CTX, verbose=False)
+    q = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
+    llm.close()
+    return q
+
+
+def test_native_cache_allocates_and_reports_each_layers_widths(
+    smollm2: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    capfd.readouterr()
+    llm = Llama(str(smollm2), kv_type="ott2", ott_config={"layer_widths": TIER}, n_ctx=N_CTX, verbose=True)
+    log = capfd.readouterr().err
+    m = re.search(r"ott2 cache: K/V bits by layer: (.*)", log)
+    assert m, log[-3000:]
+    assert m.group(1).split() == ["4/3" if 15 <= il <= 24 else "2/2" for il in range(30)]
+    assert llm.kv_cache_info()["config"] == llm.ott_config == OttConfig(layer_widths=TIER)
+    mixed = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
+    llm.close()
+    # SmolLM2's 30 layers have one shape: 20 layers of ott2's blocks and 10 of ott4/ott3's
+    assert 3 * mixed == 2 * quantized_bytes(smollm2, "ott2") + quantized_bytes(smollm2, "ott4/ott3")
+
+
+def test_widths_given_to_every_layer_equal_the_types_and_change_the_logits_where_they_differ(
+    smollm2: Path, doc_tokens: list[int]
+) -> None:
+    """ott2 with every layer at 3/2 runs exactly ott3/ott2 (bit-identical logits past sealing); the tier differs."""
+    logits = {}
+    for name, kv_type, spec in (("pair", "ott3/ott2", ""), ("all", "ott2", "0-29:3/2"), ("tier", "ott2", TIER)):
+        llm = Llama(str(smollm2), kv_type=kv_type, ott_config={"layer_widths": spec}, n_ctx=N_CTX, n_threads=2,
+                    verbose=False)  # fmt: skip
+        llm.eval(doc_tokens[:200])
+        assert llm.kv_cache_info()["sealed"] == 128
+        llm.eval(doc_tokens[200:230])
+        logits[name] = last_logits(llm)
+        llm.close()
+    assert np.array_equal(logits["pair"], logits["all"])
+    assert not np.array_equal(logits["pair"], logits["tier"]) and np.isfinite(logits["tier"]).all()
+
+
+def greedy(llm: Llama, first: int, n: int) -> list[int]:
+    out = [first]
+    llm.eval(out)
+    for _ in range(n):
+        out.append(int(np.argmax(last_logits(llm))))
+        llm.eval(out[-1:])
+    return out
+
+
+def test_state_keeps_the_layer_widths(smollm2: Path, doc_tokens: list[int]) -> None:
+    cfg = OttConfig(layer_widths=TIER)
+    llm = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=N_CTX, n_threads=1, verbose=False)
+    llm.eval(doc_tokens[:200])
+    state = llm.save_state()
+    first = greedy(llm, doc_tokens[200], 6)
+    same = Llama(str(smollm2), kv_type="ott2", ott_config=cfg, n_ctx=N_CTX, n_threads=1, verbose=False)
+    same.load_state(state)
+    assert greedy(same, doc_tokens[200], 6) == first
+    other = Llama(str(smollm2), kv_type="ott2", ott_config=cfg.replace(layer_widths="15-24:4/2"), n_ctx=N_CTX,
+                  verbose=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"layer 15 has K/V bits 4/3 there, 4/2 in this cache \(layer_widths\)"):
+        other.load_state(state)
+    for x in (llm, same, other):
+        x.close()
+
+
+def test_widths_for_layers_the_cache_does_not_hold_are_refused(smollm2: Path, gemma3: Path) -> None:
+    with pytest.raises(ValueError, match=r"widths to layer 30, but the model has 30 layers \(0..29\)"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"layer_widths": "28-30:4/3"}, n_ctx=N_CTX, verbose=False)
+    # Gemma 3: layers 5, 11 and 17 attend globally (ott cache), the others in a window (f16)
+    with pytest.raises(ValueError, match=r"widths to layer 4, which this cache does not serve"):
+        Llama(str(gemma3), kv_type="ott2", ott_config={"layer_widths": "4-5:4/3"}, n_ctx=N_CTX, verbose=False)
+    llm = Llama(str(gemma3), kv_type="ott2", ott_config={"layer_widths": "5:4/3,17:4/4"}, n_ctx=N_CTX, verbose=False)
+    assert llm.kv_cache_info()["config"] == OttConfig(layer_widths="5:4/3,17:4/4")
+    llm.close()
+
+
+def test_tools_take_ott_layers(smollm2: Path) -> None:
+    cmd = server_command(smollm2, kv_type="ott2", ott_config=OttConfig(layer_widths=TIER))
+    assert cmd[cmd.index("--ott-layers") + 1] == TIER
+    assert "--ott-layers" not in server_command(smollm2, kv_type="ott2")
+    bad = [str(_lib.bin_path("llama-cli")), "-m", str(smollm2), "-ctk", "ott2", "-ctv", "ott2", "--ott-layers",
+           "3:5/2", "-p", "hi", "-n", "1"]  # fmt: skip
+    out = subprocess.run(bad, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--ott-layers: widths 5/2 are not K/V bits of 2, 3 or 4" in out.stderr
