@@ -170,14 +170,22 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         if problem:
             raise ValueError(f"ott_config: {problem}")
 
+    def _live_ctx(self) -> object:
+        """The llama_context, or a clear error once close() has freed it (NULL would read as "no cache")."""
+        ctx = getattr(self.__dict__.get("_ctx"), "ctx", None)
+        if ctx is None:
+            raise RuntimeError(f"this Llama is closed (close() freed its {self.kv_type} cache); create a new one")
+        return ctx
+
     def kv_cache_info(self) -> dict[str, object]:
         """The K/V cache types (kv_type: the pair's name, type_k, type_v) and, for the ott caches: positions held
         and sealed, bytes allocated by part (quantized groups, fp16 tail, pools, and a sliding-window model's f16
         window layers), outlier and aux pool slots in use (summed over layers and KV heads), and the
         configuration."""
+        ctx = self._live_ctx()
         info: dict[str, object] = {"kv_type": self.kv_type, "type_k": self.kv_type_k, "type_v": self.kv_type_v}
         if self.ott_config is not None:
-            c = _lib.ott_cache_info(self._ctx.ctx)
+            c = _lib.ott_cache_info(ctx)
             if c is None:
                 raise RuntimeError("this context has no ott cache")
             parts = {"quantized": c["quantized_bytes"], "fp16 tail": c["tail_bytes"], "pools": c["pool_bytes"]}

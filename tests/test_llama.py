@@ -206,3 +206,12 @@ def test_a_context_the_ott_cache_refuses_says_why(smollm2: Path) -> None:
         "ott: K and V must both be ott types (ott2, ott3, ott4) or both kivi types (kivi2, kivi3, kivi4), in any "
         "widths; got K ott2 and V kivi2"
     )
+
+
+def test_kv_cache_info_after_close_says_closed(smollm2: Path) -> None:
+    """close() frees the context: kv_cache_info then says so, instead of reporting that there is no ott cache."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=256, verbose=False)
+    assert llm.kv_cache_info()["positions"] == 0
+    llm.close()
+    with pytest.raises(RuntimeError, match="this Llama is closed"):
+        llm.kv_cache_info()
