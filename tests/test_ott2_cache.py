@@ -234,6 +234,32 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
     assert greedy(llm, doc_tokens[450], 100) == first
 
 
+def test_a_refused_load_loses_nothing(smollm2: Path, doc_tokens: list[int]) -> None:
+    """A state the cache refuses leaves the Llama as it was (tokens, scores, cache, logits): generation goes on
+    exactly as in a Llama that never tried the load."""
+    src = Llama(str(smollm2), type_k="ott3", type_v="ott2", n_ctx=1024, verbose=False)
+    src.eval(doc_tokens[:300])
+    foreign = src.save_state()
+    src.close()
+
+    def started() -> Llama:
+        llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+        llm.eval(doc_tokens[400:600])  # seals a group: the cache holds more than its fp16 ring
+        return llm
+
+    tried, untouched = started(), started()
+    ids, scores = tried.input_ids.copy(), tried.scores[: tried.n_tokens].copy()
+    with pytest.raises(ValueError, match="another configuration: K bits=3, this cache has K bits=2"):
+        tried.load_state(foreign)
+    assert tried.n_tokens == 200
+    assert np.array_equal(tried.input_ids, ids) and np.array_equal(tried.scores[:200], scores)
+    assert tried.kv_cache_info()["positions"] == 200 and tried.kv_cache_info()["sealed"] == 128
+    prompt = [int(t) for t in doc_tokens[400:600]]  # the tokens evaluated: the stock generate reuses them
+    a = tried.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    b = untouched.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    assert a == b and a
+
+
 def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     """llama.cpp's own tools select kivi2 by name and take --ott-params (kivi2 keeps 0 outliers whatever the
     parameters say), and K/V widths per side; an unknown cache type, an invalid configuration and an ott type
