@@ -151,6 +151,29 @@ def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
         Llama(str(smollm2), kv_type="ott2", ott_config={"mean": "all"}, n_ctx=512)
 
 
+def test_ott_config_is_bounded_by_the_context(smollm2: Path, tmp_path: Path) -> None:
+    """R larger than a sequence's context (its fp16 ring would hold R+G tokens) and pools larger than the tokens a
+    sequence can seal are refused with the limit, in Python and in llama.cpp's tools alike; the defaults fit the
+    smallest context (llama.cpp pads n_ctx to 256)."""
+    import subprocess
+
+    too_long = r"R=8192 is larger than the context of a sequence \(512 tokens\).*at most 512"
+    with pytest.raises(ValueError, match=too_long):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"R": 8192}, n_ctx=512, verbose=False)
+    # 512 positions with R=32 seal at most 3 groups: 384 tokens the pools could ever hold
+    with pytest.raises(ValueError, match=r"outlier_num \+ aux_cap = 403 pool slots exceed the 384 tokens.*at most 384"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"aux_cap": 400}, n_ctx=512, verbose=False)
+    for n_ctx in (256, 512):
+        Llama(str(smollm2), kv_type="ott2", n_ctx=n_ctx, verbose=False).close()
+    Llama(str(smollm2), kv_type="ott2", ott_config={"R": 512, "aux_cap": 125}, n_ctx=512, verbose=False).close()
+    text = tmp_path / "docs.txt"
+    text.write_text(docs_text(4_000))
+    bad = subprocess.run([str(_lib.bin_path("llama-perplexity")), "-m", str(smollm2), "-f", str(text), "-c", "256",
+                          "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,1000,3,32,2"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "R=1000 is larger than the context of a sequence (256 tokens)" in bad.stderr
+
+
 def test_each_llama_keeps_its_own_configuration_also_across_threads(smollm2: Path) -> None:
     """The configuration belongs to the context: Llama objects created one after the other or concurrently from
     two threads each run theirs (read back from their caches), and a Llama created afterwards without one gets
