@@ -4,6 +4,10 @@ VENV    ?= .venv
 PIP     := $(VENV)/bin/pip
 BIN     := $(VENV)/bin
 LCP     := llama-cpp-python==0.3.36
+# the dependencies of llama-cpp-python's [server] extra (its own OpenAI-compatible server, tested as a drop-in;
+# PyYAML is in the test line), named here so that pip never touches the llama-cpp-python installed above
+LCP_SERVER := "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
+              "starlette-context>=0.3.6,<0.4"
 APT_BUILD := g++ cmake ninja-build patch python3-venv
 APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -49,7 +53,8 @@ lint: $(BIN)/python
 	$(BIN)/ruff format --check ott_gguf study tests gen models native
 
 test: install apt-test lint
-	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16"
+	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \
+	  $(LCP_SERVER) "openai>=1.0"
 	$(BIN)/ott-gguf models
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider
 

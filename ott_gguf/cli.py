@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="run the patched llama-server (OpenAI-compatible); flags after -- go to llama-server"
     )
     s.add_argument("model", help="GGUF path or a known model name")
-    _add_kv_type_args(s, "f16")
+    _add_kv_type_args(s, "ott2")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.set_defaults(fn=cmd_serve)

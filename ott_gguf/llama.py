@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -170,14 +171,22 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         if problem:
             raise ValueError(f"ott_config: {problem}")
 
+    def _live_ctx(self) -> object:
+        """The llama_context, or a clear error once close() has freed it (NULL would read as "no cache")."""
+        ctx = getattr(self.__dict__.get("_ctx"), "ctx", None)
+        if ctx is None:
+            raise RuntimeError(f"this Llama is closed (close() freed its {self.kv_type} cache); create a new one")
+        return ctx
+
     def kv_cache_info(self) -> dict[str, object]:
         """The K/V cache types (kv_type: the pair's name, type_k, type_v) and, for the ott caches: positions held
         and sealed, bytes allocated by part (quantized groups, fp16 tail, pools, and a sliding-window model's f16
         window layers), outlier and aux pool slots in use (summed over layers and KV heads), and the
         configuration."""
+        ctx = self._live_ctx()
         info: dict[str, object] = {"kv_type": self.kv_type, "type_k": self.kv_type_k, "type_v": self.kv_type_v}
         if self.ott_config is not None:
-            c = _lib.ott_cache_info(self._ctx.ctx)
+            c = _lib.ott_cache_info(ctx)
             if c is None:
                 raise RuntimeError("this context has no ott cache")
             parts = {"quantized": c["quantized_bytes"], "fp16 tail": c["tail_bytes"], "pools": c["pool_bytes"]}
@@ -201,13 +210,31 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         super().eval(tokens)
 
     def load_state(self, state: Any) -> None:
-        try:
-            super().load_state(state)
-        except RuntimeError as e:
+        """The stock method, but a refused state loses nothing: llama.cpp may have overwritten the logits and
+        cleared the cache, and the stock method the token history, before the refusal; all of it is put back, so
+        generation goes on as if no load had been tried. An ott cache's refusal raises ValueError with its reason."""
+        lc = _llama_cpp.llama_cpp
+        ctx = self._live_ctx()
+        size = int(state.llama_state_size)
+        data = (ctypes.c_uint8 * size).from_buffer_copy(state.llama_state)
+        before = (ctypes.c_uint8 * lc.llama_state_get_size(ctx))()
+        n_before = lc.llama_state_get_data(ctx, before, len(before))
+        if lc.llama_state_set_data(ctx, data, size) != size:
+            reason = _lib.last_error() if self.ott_config is not None else ""
+            if lc.llama_state_set_data(ctx, before, n_before) != n_before:
+                raise RuntimeError("a refused state load could not restore the context's own state")
             if self.ott_config is not None:
-                reason = _lib.last_error() or "llama.cpp refused it before the K/V cache part (another model?)"
-                raise ValueError(f"this saved state cannot be loaded into a {self.kv_type} cache: {reason}") from e
-            raise
+                reason = reason or "llama.cpp refused it before the K/V cache part (another model?)"
+                raise ValueError(f"this saved state cannot be loaded into a {self.kv_type} cache: {reason}")
+            raise RuntimeError("Failed to set llama state data")
+        # the stock method's Python part (its native part has just run, once)
+        self.scores[: state.n_tokens, :] = state.scores.copy()
+        rest = self.scores[state.n_tokens :, :]
+        rest[rest > 0] = 0.0
+        self.input_ids = state.input_ids.copy()
+        self.n_tokens = state.n_tokens
+        self._requires_eval = True
+        self._seed = state.seed
 
     def close(self) -> None:
         # __init__ may have refused the arguments before the stock class set anything up

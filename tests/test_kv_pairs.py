@@ -259,6 +259,20 @@ def test_server_command_per_side_and_ott_params(smollm2: Path) -> None:
         server_command(smollm2, kv_type="ott2", extra=["-ctv", "ott3"])
 
 
+def test_serve_defaults_to_ott2_like_generate_and_chat(smollm2: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`ott-gguf serve MODEL` without a type runs ott2 (as generate and chat do), with Python's configuration."""
+    import os
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: ran.append(list(argv)))
+    code, out, err = run_cli(capsys, "serve", smollm2, "--port", 8099)
+    assert code == 0, err
+    cmd = ran[0]
+    assert (cmd[cmd.index("-ctk") + 1], cmd[cmd.index("-ctv") + 1]) == ("ott2", "ott2")
+    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1" and "kv_type=ott2" in out
+
+
 def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:
     """`ott-gguf serve -ctk ott3 -ctv ott2`: llama-server runs 3-bit keys, 2-bit values, V rotated (the default,
     passed as the sixth --ott-params value) and answers."""

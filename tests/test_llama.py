@@ -182,6 +182,50 @@ print(info["layers"], info["positions"], repr(out))
     assert int(layers) == 30 and int(positions) > 8 and len(text.strip("'\n ")) > 0
 
 
+def test_llama_cpp_python_server_runs_ott2_through_the_openai_client(smollm2: Path, tmp_path: Path) -> None:
+    """llama-cpp-python's own OpenAI-compatible server (`python -m llama_cpp.server`) selects the ott2 cache by
+    its ggml id and answers the official openai client; its log shows that the ott2 cache was created."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from openai import OpenAI
+
+    from ott_gguf.server import free_port
+
+    port = free_port()
+    ott2 = str(ott_gguf.GGML_TYPE_OTT2)
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--type_k", ott2, "--type_v", ott2,
+           "--n_ctx", "1024", "--n_threads", "2", "--host", "127.0.0.1", "--port", str(port),
+           "--verbose", "true"]  # fmt: skip
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}  # as existing code runs it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120, max_retries=0)
+        deadline = time.monotonic() + 180
+        while True:  # until the server listens (it loads the model first)
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                client.models.list()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "llama_cpp.server did not come up in 180 s"
+                time.sleep(1)
+        out = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=16,
+                                             messages=[{"role": "user", "content": "Name a fruit."}])  # fmt: skip
+        answer = out.choices[0].message.content
+        assert answer and answer.strip(), out
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    text = log.read_text(errors="replace")
+    line = next((s for s in text.splitlines() if "ott2 cache:" in s), "")
+    assert "llama_kv_cache_ott" in line and "K 2 bits, V 2 bits" in line, text[-3000:]
+
+
 def test_embeddings_with_an_ott_type_say_what_to_use(smollm2: Path) -> None:
     """Batched embeddings with kv_type='ott2' used to fail inside llama_decode ("failed to find a memory slot");
     now the choice is refused up front with the fix, and the suggested type embeds a batch."""
@@ -206,3 +250,12 @@ def test_a_context_the_ott_cache_refuses_says_why(smollm2: Path) -> None:
         "ott: K and V must both be ott types (ott2, ott3, ott4) or both kivi types (kivi2, kivi3, kivi4), in any "
         "widths; got K ott2 and V kivi2"
     )
+
+
+def test_kv_cache_info_after_close_says_closed(smollm2: Path) -> None:
+    """close() frees the context: kv_cache_info then says so, instead of reporting that there is no ott cache."""
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=256, verbose=False)
+    assert llm.kv_cache_info()["positions"] == 0
+    llm.close()
+    with pytest.raises(RuntimeError, match="this Llama is closed"):
+        llm.kv_cache_info()

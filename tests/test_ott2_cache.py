@@ -151,6 +151,29 @@ def test_bad_ott_config_and_state_are_refused(smollm2: Path) -> None:
         Llama(str(smollm2), kv_type="ott2", ott_config={"mean": "all"}, n_ctx=512)
 
 
+def test_ott_config_is_bounded_by_the_context(smollm2: Path, tmp_path: Path) -> None:
+    """R larger than a sequence's context (its fp16 ring would hold R+G tokens) and pools larger than the tokens a
+    sequence can seal are refused with the limit, in Python and in llama.cpp's tools alike; the defaults fit the
+    smallest context (llama.cpp pads n_ctx to 256)."""
+    import subprocess
+
+    too_long = r"R=8192 is larger than the context of a sequence \(512 tokens\).*at most 512"
+    with pytest.raises(ValueError, match=too_long):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"R": 8192}, n_ctx=512, verbose=False)
+    # 512 positions with R=32 seal at most 3 groups: 384 tokens the pools could ever hold
+    with pytest.raises(ValueError, match=r"outlier_num \+ aux_cap = 403 pool slots exceed the 384 tokens.*at most 384"):
+        Llama(str(smollm2), kv_type="ott2", ott_config={"aux_cap": 400}, n_ctx=512, verbose=False)
+    for n_ctx in (256, 512):
+        Llama(str(smollm2), kv_type="ott2", n_ctx=n_ctx, verbose=False).close()
+    Llama(str(smollm2), kv_type="ott2", ott_config={"R": 512, "aux_cap": 125}, n_ctx=512, verbose=False).close()
+    text = tmp_path / "docs.txt"
+    text.write_text(docs_text(4_000))
+    bad = subprocess.run([str(_lib.bin_path("llama-perplexity")), "-m", str(smollm2), "-f", str(text), "-c", "256",
+                          "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,1000,3,32,2"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "R=1000 is larger than the context of a sequence (256 tokens)" in bad.stderr
+
+
 def test_each_llama_keeps_its_own_configuration_also_across_threads(smollm2: Path) -> None:
     """The configuration belongs to the context: Llama objects created one after the other or concurrently from
     two threads each run theirs (read back from their caches), and a Llama created afterwards without one gets
@@ -232,6 +255,32 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
     # a refused load leaves a cache that still works: the good state loads and continues as before
     llm.load_state(state)
     assert greedy(llm, doc_tokens[450], 100) == first
+
+
+def test_a_refused_load_loses_nothing(smollm2: Path, doc_tokens: list[int]) -> None:
+    """A state the cache refuses leaves the Llama as it was (tokens, scores, cache, logits): generation goes on
+    exactly as in a Llama that never tried the load."""
+    src = Llama(str(smollm2), type_k="ott3", type_v="ott2", n_ctx=1024, verbose=False)
+    src.eval(doc_tokens[:300])
+    foreign = src.save_state()
+    src.close()
+
+    def started() -> Llama:
+        llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+        llm.eval(doc_tokens[400:600])  # seals a group: the cache holds more than its fp16 ring
+        return llm
+
+    tried, untouched = started(), started()
+    ids, scores = tried.input_ids.copy(), tried.scores[: tried.n_tokens].copy()
+    with pytest.raises(ValueError, match="another configuration: K bits=3, this cache has K bits=2"):
+        tried.load_state(foreign)
+    assert tried.n_tokens == 200
+    assert np.array_equal(tried.input_ids, ids) and np.array_equal(tried.scores[:200], scores)
+    assert tried.kv_cache_info()["positions"] == 200 and tried.kv_cache_info()["sealed"] == 128
+    prompt = [int(t) for t in doc_tokens[400:600]]  # the tokens evaluated: the stock generate reuses them
+    a = tried.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    b = untouched.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    assert a == b and a
 
 
 def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:

@@ -32,6 +32,11 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
     n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
     GGML_ASSERT(hk && cfg.G == hk->G);
+    // here, where the context of a sequence is known (Python, llama-server and llama-cli all pass through)
+    const std::string bad = llama_ott_config_problem_ctx(cfg, n_ctx_seq);
+    if (!bad.empty()) {
+        throw std::runtime_error(std::string(kv_type.name) + ": " + bad);
+    }
     const llama_hparams & hparams = model.hparams;
     const uint32_t n_layer = hparams.n_layer();
     const int32_t G = cfg.G, Gv = hk->Gv, T = cfg.R + cfg.G;

@@ -58,6 +58,10 @@ std::string llama_ott_model_problem(const llama_model & model);
 // why this build's caches refuse cfg ("" when they accept it)
 std::string llama_ott_config_problem(const llama_ott_config & cfg);
 
+// why cfg does not fit a context of n_ctx_seq tokens per sequence ("" when it does): bounds that keep a
+// configuration from allocating what that context can never use
+std::string llama_ott_config_problem_ctx(const llama_ott_config & cfg, uint32_t n_ctx_seq);
+
 // the reason of the last refusal on this thread (state loading), for llama_ott_last_error
 void llama_ott_record_error(const std::string & msg);
 

@@ -10,6 +10,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -138,6 +139,25 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
             return "layer_widths[" + std::to_string(il) + "]=" + hex +
                    " is not K bits * 16 + V bits with widths of 2, 3 or 4";
         }
+    }
+    return "";
+}
+
+std::string llama_ott_config_problem_ctx(const llama_ott_config & c, uint32_t n_ctx_seq) {
+    const int64_t n = n_ctx_seq;
+    if (c.R > n) {
+        return "R=" + std::to_string(c.R) + " is larger than the context of a sequence (" + std::to_string(n) +
+               " tokens): its fp16 ring would hold R+G=" + std::to_string(c.R + c.G) +
+               " tokens per sequence; R must be at most " + std::to_string(n);
+    }
+    // the pools hold sealed tokens only, so slots beyond what a sequence can seal stay empty (one group's worth
+    // is always allowed, which takes the defaults at any context)
+    const int64_t sealable = (int64_t) c.G*std::max<int64_t>(1, (n - c.R)/c.G);
+    if ((int64_t) c.outlier_num + c.aux_cap > sealable) {
+        return "outlier_num + aux_cap = " + std::to_string(c.outlier_num + c.aux_cap) + " pool slots exceed the " +
+               std::to_string(sealable) + " tokens a sequence of " + std::to_string(n) + " tokens can seal (G=" +
+               std::to_string(c.G) + ", R=" + std::to_string(c.R) + "); they must be at most " +
+               std::to_string(sealable);
     }
     return "";
 }
