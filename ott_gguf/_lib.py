@@ -119,6 +119,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "llama_ott_context_config": (ctypes.c_bool, [ctypes.c_void_p, ctypes.POINTER(LlamaOttConfig)]),
     "llama_ott_cache_info": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]),
     "llama_ott_kv_cache_bytes": (ctypes.c_int64, [ctypes.c_void_p]),
+    "llama_ott_cache_layers": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ott_last_error": (ctypes.c_char_p, []),
     # ggml-base's, reached through libllama (dlsym follows its dependencies)
     "ggml_type_name": (ctypes.c_char_p, [ctypes.c_int]),
@@ -210,6 +211,13 @@ def ott_cache_info(ctx: object) -> dict[str, int] | None:
     out = (ctypes.c_int64 * k)()
     n = native().llama_ott_cache_info(ctx, out, k)
     return dict(zip(OTT_CACHE_INFO_FIELDS, (int(v) for v in out), strict=True)) if n == k else None
+
+
+def ott_cache_layers(ctx: object) -> list[int]:
+    """The model layers a context's ott cache serves, ascending ([] without one)."""
+    out = (ctypes.c_int32 * MAX_LAYERS)()
+    n = native().llama_ott_cache_layers(ctx, out, MAX_LAYERS)
+    return [int(out[i]) for i in range(min(n, MAX_LAYERS))]
 
 
 def last_error() -> str:

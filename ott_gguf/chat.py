@@ -15,6 +15,7 @@ from . import _lib
 from .info import ModelInfo, formula_bytes_per_token, model_info
 
 if TYPE_CHECKING:
+    from .kv_types import OttConfig
     from .llama import Llama
 
 PROMPT = "> "
@@ -109,6 +110,7 @@ def run(
     model: Path,
     *,
     kv_type: str,
+    ott_config: OttConfig | None = None,
     n_ctx: int,
     system: str | None,
     max_tokens: int,
@@ -127,7 +129,7 @@ def run(
     # llama.cpp pads the context to a multiple of 256 but llama-cpp-python sizes its token arrays by the n_ctx asked
     # for: a conversation that outgrows the latter fails inside numpy instead of with "exceed context window"
     n_ctx = -(-n_ctx // 256) * 256
-    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, seed=0, verbose=verbose)
+    llm = Llama(str(model), kv_type=kv_type, ott_config=ott_config, n_ctx=n_ctx, seed=0, verbose=verbose)
     session = ChatSession(llm, system=system, max_tokens=max_tokens, temperature=temperature)
     print(f"ott-gguf chat: {model.name}, kv_type={llm.kv_type}, n_ctx={n_ctx}. {HELP}", file=out, flush=True)
     try:

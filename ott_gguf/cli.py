@@ -6,8 +6,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import models
+
+if TYPE_CHECKING:
+    from .kv_types import OttConfig
 
 
 def _model_path(arg: str | None) -> Path:
@@ -38,14 +42,29 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("-ctk", "--type-k", metavar="TYPE", help="K cache type, over --kv-type's")
     p.add_argument("-ctv", "--type-v", metavar="TYPE",
                    help="V cache type, over --kv-type's (ott* with ott*, kivi* with kivi*)")  # fmt: skip
+    p.add_argument("--ott-layers", metavar="SPEC", default="",
+                   help="K/V code widths of some layers of an ott cache, e.g. 15-24:4/3 (ott-gguf calibrate "
+                   "chooses them)")  # fmt: skip
+
+
+def _ott_config(args: argparse.Namespace, kv_type: str) -> OttConfig | None:
+    """The OttConfig that --ott-layers asks for (None without it), checked before a model is fetched."""
+    from .kv_types import OTT_KV_TYPES, OttConfig, resolve_kv_types
+
+    if not args.ott_layers:
+        return None
+    if resolve_kv_types(kv_type)[0] not in OTT_KV_TYPES:
+        raise ValueError(f"--ott-layers applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {kv_type}")
+    return OttConfig(layer_widths=args.ott_layers)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from . import Llama, llama_ott_build_info
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
+    cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
-    llm = Llama(str(path), kv_type=kv_type, n_ctx=args.n_ctx, seed=0, verbose=args.verbose)
+    llm = Llama(str(path), kv_type=kv_type, ott_config=cfg, n_ctx=args.n_ctx, seed=0, verbose=args.verbose)
     out = llm.create_chat_completion(
         messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
     )
@@ -58,7 +77,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
-    return chat.run(_model_path(args.model), kv_type=kv_type, n_ctx=args.n_ctx, system=args.system,
+    cfg = _ott_config(args, kv_type)
+    return chat.run(_model_path(args.model), kv_type=kv_type, ott_config=cfg, n_ctx=args.n_ctx, system=args.system,
                     max_tokens=args.max_tokens, temperature=args.temperature, verbose=args.verbose)  # fmt: skip
 
 
@@ -66,12 +86,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import server_command
 
     kv_type = _kv_types(args)
+    cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
     extra = list(args.passthrough)
-    cmd = server_command(path, kv_type=kv_type, host=args.host, port=args.port, extra=extra)
+    cmd = server_command(path, kv_type=kv_type, ott_config=cfg, host=args.host, port=args.port, extra=extra)
     print(f"ott-gguf: serving {path.name} with kv_type={kv_type} at http://{args.host}:{args.port}", flush=True)
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+
+    kv_type = _kv_types(args)
+    path = _model_path(args.model)
+    cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
+                    n_ctx=args.n_ctx, threads=args.threads, log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    print(cal.report())
+    if cal.spec:
+        print(f"use: -ctk {kv_type.split('/')[0]} -ctv {kv_type.split('/')[-1]} --ott-layers {cal.spec}  (Python: "
+              f"Llama(..., kv_type={kv_type!r}, ott_config={{'layer_widths': {cal.spec!r}}}))")  # fmt: skip
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -283,6 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.set_defaults(fn=cmd_serve)
+
+    k = sub.add_parser("calibrate", help="choose K/V code widths per layer for a model at the bytes of a K/V pair")
+    k.add_argument("model", help="GGUF path or a known model name")
+    _add_kv_type_args(k, "ott3/ott2")
+    k.add_argument("--up", default="4/3", help="K/V bits of a widened block (default 4/3)")
+    k.add_argument("--down", default="2/2", help="K/V bits of a narrowed block (default 2/2)")
+    k.add_argument("--blocks", type=int, default=6, help="contiguous blocks of layers (default 6)")
+    k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
+    k.add_argument("--n-ctx", type=int, default=2048, help="tokens per chunk (default 2048)")
+    k.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads")
+    k.set_defaults(fn=cmd_calibrate)
 
     m = sub.add_parser("models", help="fetch the test models into the cache and print their paths")
     m.add_argument("names", nargs="*")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from ott_gguf import models
 from ott_gguf._lib import bin_path
 from ott_gguf.bench import BenchRow, bench
+from ott_gguf.calibrate import perplexity_numbers
 from ott_gguf.corpus import docs_text
 from ott_gguf.evaluate import import_pyplot
 from ott_gguf.info import measure_kv_bytes
@@ -48,25 +48,6 @@ def _perplexity_cmd(model: Path, kv_type: str, text: Path, threads: int, chunks:
     k, v = resolve_kv_types(kv_type)
     return [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "2048", "-b", "2048",
             "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", k, "-ctv", v]  # fmt: skip
-
-
-def _num(pattern: str, text: str) -> float:
-    m = re.search(pattern, text)
-    if not m:
-        raise RuntimeError(f"llama-perplexity output has no match for {pattern!r}:\n{text[-3000:]}")
-    return float(m.group(1))
-
-
-def perplexity_numbers(out: str) -> dict[str, float]:
-    """What llama-perplexity --kl-divergence prints at the end: PPL, its ratio to the base's, mean and 99.9% KLD,
-    top-1 agreement (percent)."""
-    return {
-        "ppl": _num(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", out),
-        "ppl_ratio": _num(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", out),
-        "mean_kld": _num(r"Mean\s+KLD:\s*([-0-9.]+)", out),
-        "kld_999": _num(r"99\.9%\s+KLD:\s*([-0-9.]+)", out),
-        "top1": _num(r"Same top p:\s*([0-9.]+)", out),
-    }
 
 
 def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[PplRow]:

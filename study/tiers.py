@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,13 @@ class Tier:
     k: str  # cache type of K (llama.cpp name)
     v: str  # cache type of V
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
+    layers: str = ""  # layer_widths (--ott-layers) of an ott pair
 
     @property
     def label(self) -> str:
         name = self.k if self.k == self.v else f"{self.k}/{self.v}"
+        if self.layers:
+            name += f" --ott-layers {self.layers}"
         if self.v_rotate is None:
             return name
         return name + (" +rotV" if self.v_rotate else "")
@@ -52,7 +56,14 @@ class Tier:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
             out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)}"]
+        if self.layers:
+            out += ["--ott-layers", self.layers]
         return out
+
+    def ott_config(self) -> dict[str, object] | None:
+        if self.v_rotate is None:
+            return None
+        return {"v_rotate": self.v_rotate, "layer_widths": self.layers}
 
 
 TIERS = (
@@ -86,9 +97,8 @@ def bits_per_element(path: Path, tier: Tier, n_ctx: int) -> float:
     info = model_info(path)
     if info.n_head_kv is None:
         raise ValueError(f"{path}: per-layer KV head counts are not supported by this study")
-    cfg = None if tier.v_rotate is None else {"v_rotate": tier.v_rotate}
-    llm = Llama(str(path), type_k=tier.k, type_v=tier.v, ott_config=cfg, n_ctx=n_ctx, n_batch=32, n_ubatch=32,
-                swa_full=False, verbose=False)  # fmt: skip
+    llm = Llama(str(path), type_k=tier.k, type_v=tier.v, ott_config=tier.ott_config(), n_ctx=n_ctx, n_batch=32,
+                n_ubatch=32, swa_full=False, verbose=False)  # fmt: skip
     try:
         nbytes = _lib.kv_cache_bytes(llm._ctx.ctx)
     finally:
@@ -97,7 +107,7 @@ def bits_per_element(path: Path, tier: Tier, n_ctx: int) -> float:
     return 8.0 * nbytes / elements
 
 
-def measure(path: Path, threads: int, chunks: int, log: list[str]) -> list[Row]:
+def measure(path: Path, threads: int, chunks: int, log: list[str], tiers: Sequence[Tier] = TIERS) -> list[Row]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "docs.txt"
@@ -108,7 +118,7 @@ def measure(path: Path, threads: int, chunks: int, log: list[str]) -> list[Row]:
         cmd = [*common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)]
         log.append(" ".join(cmd))
         subprocess.run(cmd, capture_output=True, text=True, check=True)
-        for tier in TIERS:
+        for tier in tiers:
             cmd = [*common, *tier.args(), "--kl-divergence-base", str(base), "--kl-divergence"]
             log.append(" ".join(cmd))
             r = subprocess.run(cmd, capture_output=True, text=True)

@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 
 from ott_gguf import Llama, OttConfig, _lib
+from ott_gguf.calibrate import Block, best_plan, calibrate
 from ott_gguf.corpus import docs_text
+from ott_gguf.kv_types import parse_layer_widths
 from ott_gguf.reference import OttCache, effective_bits
 from ott_gguf.server import server_command
+
+from helpers import THREADS, run_cli
 
 N_CTX = 512
 TIER = "15-24:4/3"  # docs/layer-widths.md
@@ -187,6 +191,7 @@ def test_widths_for_layers_the_cache_does_not_hold_are_refused(smollm2: Path, ge
         Llama(str(gemma3), kv_type="ott2", ott_config={"layer_widths": "4-5:4/3"}, n_ctx=N_CTX, verbose=False)
     llm = Llama(str(gemma3), kv_type="ott2", ott_config={"layer_widths": "5:4/3,17:4/4"}, n_ctx=N_CTX, verbose=False)
     assert llm.kv_cache_info()["config"] == OttConfig(layer_widths="5:4/3,17:4/4")
+    assert _lib.ott_cache_layers(llm._ctx.ctx) == [5, 11, 17]
     llm.close()
 
 
@@ -198,3 +203,48 @@ def test_tools_take_ott_layers(smollm2: Path) -> None:
            "3:5/2", "-p", "hi", "-n", "1"]  # fmt: skip
     out = subprocess.run(bad, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--ott-layers: widths 5/2 are not K/V bits of 2, 3 or 4" in out.stderr
+
+
+# --- calibration ---------------------------------------------------------------------------------------------------
+
+
+def test_best_plan_widens_what_gains_most_and_pays_with_what_loses_least() -> None:
+    """Base 3/2 (5 code bits), up 4/3 (7), down 2/2 (4): one widened block of 2 layers is paid by narrowing 4 layers
+    (2 blocks); the plan picks the largest gain net of the cheapest losses, and none when nothing nets a gain."""
+    blocks = [Block((0, 1), 0.001, 0.002), Block((2, 3), 0.010, 0.050), Block((4, 5), 0.002, 0.001),
+              Block((6, 7), 0.004, 0.001)]  # fmt: skip
+    plan = best_plan(blocks, 0.05, (3, 2), (4, 3), (2, 2))
+    assert plan.choice == ("base", "up", "down", "down")
+    assert plan.predicted_kld == pytest.approx(0.05 - 0.010 + 0.002)
+    assert plan.code_bits <= 5 * 8
+    assert plan.spec(blocks, (3, 2), (4, 3), (2, 2)) == "2-3:4/3,4-7:2/2"
+    dear = [Block(b.layers, b.up_gain, 0.02) for b in blocks]
+    assert best_plan(dear, 0.05, (3, 2), (4, 3), (2, 2)).choice == ("base",) * 4
+
+
+def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Small but real: 2 blocks, one 512-token chunk of calibration text; the report covers every layer, and a
+    chosen spec measured below the base pair at no more code bits."""
+    code, out, err = run_cli(capsys, "calibrate", smollm2, "--blocks", "2", "--chunks", "1", "--n-ctx", "512",
+                             "--threads", str(THREADS))  # fmt: skip
+    assert code == 0, err
+    assert "| 0-14 |" in out and "| 15-29 |" in out, out
+    base = float(re.search(r"base pair everywhere: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert 0 < base < 1
+    m = re.search(r"chosen: --ott-layers (\S+) \(predicted KLD [0-9.]+, measured ([0-9.]+)", out)
+    if m:
+        assert float(m.group(2)) < base and f"--ott-layers {m.group(1)}" in out
+        widths = parse_layer_widths(m.group(1))
+        assert sum(sum(widths.get(il, (3, 2))) for il in range(30)) <= 5 * 30  # code bits: no more than ott3/ott2
+    else:
+        assert "chosen: the base pair everywhere" in out
+    assert err.count("mean KLD") >= 5  # base, each block widened and narrowed
+
+
+def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
+    with pytest.raises(ValueError, match="not 'q8_0'"):
+        calibrate(smollm2, kv_type="q8_0")
+    with pytest.raises(ValueError, match="up .* must hold more code bits"):
+        calibrate(smollm2, kv_type="ott3/ott2", up="3/2")
+    with pytest.raises(ValueError, match="widths must be K/V bits"):
+        calibrate(smollm2, kv_type="ott3/ott2", up="5/3")

@@ -86,6 +86,9 @@ LLAMA_API bool llama_ott_context_config(const struct llama_context * ctx, struct
 // 0 when the context does not use an ott cache).
 LLAMA_API int32_t llama_ott_cache_info(const struct llama_context * ctx, int64_t * out, int32_t n);
 
+// The model layers the context's ott cache serves, ascending (a sliding-window model's window layers keep an f16
+// cache): writes up to n of them into out (may be NULL) and returns how many there are (0 without an ott cache).
+LLAMA_API int32_t llama_ott_cache_layers(const struct llama_context * ctx, int32_t * out, int32_t n);
 // Whether removing positions >= p0 of sequence seq_id (llama_memory_seq_rm(mem, seq_id, p0, -1)) keeps exactly
 // what a fresh run over [0, p0) would hold. An ott cache refuses other cuts (seq_rm returns false: a fresh run
 // would hold in fp16 tokens it has sealed); a caller that reuses a prompt prefix re-processes from 0 there.

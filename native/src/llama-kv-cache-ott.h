@@ -172,6 +172,7 @@ public:
     void slots_in_use(int64_t & n_outlier, int64_t & n_aux) const; // over every layer, head and stream
 
     size_t n_layers() const { return layers.size(); }
+    int32_t layer_il(size_t i) const { return layers[i].il; } // the model layer of the i-th cache layer
     ott_layer * layer(int32_t il) {
         return il < (int32_t) layer_ids.size() && layer_ids[il] >= 0 ? &layers[layer_ids[il]] : nullptr;
     }

@@ -376,3 +376,14 @@ int32_t llama_ott_cache_info(const struct llama_context * lctx, int64_t * out, i
     }
     return m;
 }
+
+int32_t llama_ott_cache_layers(const struct llama_context * lctx, int32_t * out, int32_t n) {
+    const llama_kv_cache_ott * kv = ott_cache_of(lctx, nullptr);
+    if (!kv) {
+        return 0;
+    }
+    for (size_t i = 0; out && i < kv->n_layers() && (int32_t) i < n; ++i) {
+        out[i] = kv->layer_il(i);
+    }
+    return (int32_t) kv->n_layers();
+}
