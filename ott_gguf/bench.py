@@ -113,7 +113,8 @@ def bench(
 
 def plot_bench(rows: Sequence[BenchRow], path: Path | str, bytes_per_token: dict[str, float] | None = None,
                title: str = "") -> None:  # fmt: skip
-    """Tokens/s against depth, prefill and decode side by side, one line per cache type."""
+    """Tokens/s against depth, prefill and decode side by side, one line per cache type: the median of the rounds,
+    with bars from the slowest to the fastest round."""
     from .evaluate import import_pyplot
 
     plt = import_pyplot()
@@ -121,9 +122,12 @@ def plot_bench(rows: Sequence[BenchRow], path: Path | str, bytes_per_token: dict
     for ax, test, name in zip(axes, ("pp", "tg"), ("prefill", "decode"), strict=True):
         sel = [r for r in rows if r.test == test]
         for t in dict.fromkeys(r.kv_type for r in sel):
-            pts = sorted((r.depth, r.tokens_per_s) for r in sel if r.kv_type == t)
+            pts = sorted((r for r in sel if r.kv_type == t), key=lambda r: r.depth)
+            lo = [r.tokens_per_s - min(r.samples or (r.tokens_per_s,)) for r in pts]
+            hi = [max(r.samples or (r.tokens_per_s,)) - r.tokens_per_s for r in pts]
             label = t if not bytes_per_token or t not in bytes_per_token else f"{t} ({bytes_per_token[t]:.0f} B/token)"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.errorbar([r.depth for r in pts], [r.tokens_per_s for r in pts], yerr=[lo, hi], marker="o", capsize=3,
+                        label=label)  # fmt: skip
         n = sel[0].n_tokens if sel else 0
         ax.set_title(f"{name} ({test}{n})", fontsize=10)
         ax.set_xlabel("context depth (tokens)")
