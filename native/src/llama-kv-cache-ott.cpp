@@ -8,6 +8,7 @@
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "ggml-rpc.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -22,6 +23,30 @@ static llama_ott_config ott_effective_config(const llama_ott_kv_pair & kv_type, 
         cfg.outlier_num = 0;
     }
     return cfg;
+}
+
+// An RPC device runs the graphs it is sent with the ggml of its server, which reads ops by id: only a server built
+// from this project's ggml knows the ott ops, and says so by its protocol patch version (patch 0004). A stock one of
+// the pinned version would abort on them, another version would run other ops under their ids: refuse it here,
+// before any graph, naming the host.
+static void ott_check_rpc_device(const char * type_name, uint32_t il, ggml_backend_dev_t dev) {
+    using get_version_t = void (*)(const char *, int *, int *, int *);
+    auto get_version = (get_version_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                         "ggml_backend_rpc_get_server_version");
+    const char * endpoint = ggml_backend_dev_description(dev);
+    int major = -1, minor = -1, patch = -1;
+    if (get_version) {
+        get_version(endpoint, &major, &minor, &patch);
+    }
+    if (major != RPC_PROTO_MAJOR_VERSION || patch != RPC_PROTO_PATCH_VERSION) {
+        throw std::runtime_error(std::string(type_name) + ": layer " + std::to_string(il) + " is offloaded to " +
+                                 ggml_backend_dev_name(dev) + " at " + endpoint + ", whose rpc-server has no ott ops " +
+                                 "(it answers protocol " + std::to_string(major) + "." + std::to_string(minor) + "." +
+                                 std::to_string(patch) + ", ott-gguf's ggml-rpc-server " +
+                                 std::to_string(RPC_PROTO_MAJOR_VERSION) + "." + std::to_string(RPC_PROTO_MINOR_VERSION) +
+                                 "." + std::to_string(RPC_PROTO_PATCH_VERSION) + "): run ott-gguf's ggml-rpc-server " +
+                                 "(ott_gguf/bin) on " + endpoint + ", or keep the K/V cache on this host (no_kv_offload / -nkvo)");
+    }
 }
 
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams,
@@ -90,11 +115,14 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         if (cparams.offload_kqv) {
             ggml_backend_dev_t dev = model.dev_layer(il);
             const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
-            if (reg != "CPU" && reg != "CUDA") {
+            if (reg == "RPC") {
+                // the cache lives in the remote's buffer and the ops run there, on the server's backend
+                ott_check_rpc_device(kv_type.name, il, dev);
+            } else if (reg != "CPU" && reg != "CUDA") {
                 // the ops exist for the CPU and CUDA only: refuse rather than move the cache behind the user's back
                 throw std::runtime_error(std::string(kv_type.name) + ": layer " + std::to_string(il) +
-                                         " is offloaded to " + reg + ", which has no ott ops (CPU and CUDA have); "
-                                         "offload to CUDA, or keep the "
+                                         " is offloaded to " + reg + ", which has no ott ops (CPU and CUDA have, and "
+                                         "RPC servers built by ott-gguf); offload to CUDA, or keep the "
                                          "K/V cache on the CPU (no_kv_offload / -nkvo)");
             }
             buft = ggml_backend_dev_buffer_type(dev);
