@@ -173,8 +173,8 @@ def calibrate(
     base, w_up, w_down = (kv_type_bits(k), kv_type_bits(v)), parse_widths(up), parse_widths(down)
     if not (sum(w_down) < sum(base) < sum(w_up)):
         raise ValueError(f"up ({up}) must hold more code bits than the base pair and down ({down}) fewer")
-    if n_blocks < 1 or n_blocks > 8:
-        raise ValueError(f"blocks must be in [1, 8] (3^blocks assignments are scored), got {n_blocks}")
+    if n_blocks < 1 or n_blocks > 12:
+        raise ValueError(f"blocks must be in [1, 12] (3^blocks assignments are scored), got {n_blocks}")
     layers = ott_layers(model, kv_type)
     n_blocks = min(n_blocks, len(layers))
     # contiguous blocks of nearly equal size
