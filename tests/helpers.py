@@ -239,3 +239,37 @@ def serving(model: Path, kv_type: str, n_ctx: int, log: Path, extra: Sequence[st
         yield srv
     finally:
         srv.stop()
+
+
+# --- a Llama driven token by token (the per-side and per-layer width tests) -----------------------------------------
+
+
+def doc_prefix(model: Path, n: int) -> list[int]:
+    """The first n tokens of the packaged docs in the model's vocabulary."""
+    from ott_gguf import Llama
+    from ott_gguf.corpus import docs_text
+
+    vocab = Llama(str(model), vocab_only=True, verbose=False)
+    toks = vocab.tokenize(docs_text(40 * n).encode())
+    vocab.close()
+    assert len(toks) >= n
+    return toks[:n]
+
+
+def last_logits(llm: object) -> np.ndarray:
+    """The logits of the last evaluated position."""
+    from ott_gguf import _lib
+
+    lc = _lib.llama_cpp_module().llama_cpp
+    n_vocab = llm.n_vocab()  # type: ignore[attr-defined]
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy()  # type: ignore[attr-defined]
+
+
+def greedy(llm: object, first: int, n: int) -> list[int]:
+    """first, then n tokens chosen greedily, each evaluated alone."""
+    out = [first]
+    llm.eval(out)  # type: ignore[attr-defined]
+    for _ in range(n):
+        out.append(int(np.argmax(last_logits(llm))))
+        llm.eval(out[-1:])  # type: ignore[attr-defined]
+    return out

@@ -17,23 +17,14 @@ from ott_gguf.corpus import docs_text
 from ott_gguf.kv_types import OTT_KV_TYPES, kv_pair_name, resolve_kv_pair, resolve_kv_types
 from ott_gguf.server import server_command
 
-from helpers import THREADS, run_cli, serving, table
+from helpers import THREADS, doc_prefix, greedy, last_logits, run_cli, serving, table
 
 N_CTX = 512
 
 
 @pytest.fixture(scope="module")
 def doc_tokens(smollm2: Path) -> list[int]:
-    vocab = Llama(str(smollm2), vocab_only=True, verbose=False)
-    toks = vocab.tokenize(docs_text(4000).encode())
-    vocab.close()
-    assert len(toks) >= 300
-    return toks[:300]
-
-
-def last_logits(llm: Llama) -> np.ndarray:
-    lc = _lib.llama_cpp_module().llama_cpp
-    return np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+    return doc_prefix(smollm2, 300)
 
 
 # --- names, ids and the rules of a pair (no model needed) ---------------------------------------------------------
@@ -164,15 +155,6 @@ def test_v_rotate_reaches_the_cache(smollm2: Path, doc_tokens: list[int]) -> Non
     assert not np.array_equal(logits[True], logits[False])
     plain = Llama(str(smollm2), kv_type="ott2", n_ctx=256, verbose=False)
     assert plain.ott_config is not None and plain.ott_config.v_rotate is OttConfig().v_rotate
-
-
-def greedy(llm: Llama, first: int, n: int) -> list[int]:
-    out = [first]
-    llm.eval(out)
-    for _ in range(n):
-        out.append(int(np.argmax(last_logits(llm))))
-        llm.eval(out[-1:])
-    return out
 
 
 def test_state_and_pickle_keep_the_pair(smollm2: Path, doc_tokens: list[int]) -> None:

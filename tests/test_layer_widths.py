@@ -14,12 +14,11 @@ import pytest
 
 from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.calibrate import Block, best_plan, calibrate
-from ott_gguf.corpus import docs_text
 from ott_gguf.kv_types import parse_layer_widths
 from ott_gguf.reference import OttCache, effective_bits
 from ott_gguf.server import server_command
 
-from helpers import THREADS, run_cli
+from helpers import THREADS, doc_prefix, greedy, last_logits, run_cli
 
 N_CTX = 512
 TIER = "15-24:4/3"  # docs/layer-widths.md
@@ -27,16 +26,7 @@ TIER = "15-24:4/3"  # docs/layer-widths.md
 
 @pytest.fixture(scope="module")
 def doc_tokens(smollm2: Path) -> list[int]:
-    vocab = Llama(str(smollm2), vocab_only=True, verbose=False)
-    toks = vocab.tokenize(docs_text(4000).encode())
-    vocab.close()
-    assert len(toks) >= 300
-    return toks[:300]
-
-
-def last_logits(llm: Llama) -> np.ndarray:
-    lc = _lib.llama_cpp_module().llama_cpp
-    return np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+    return doc_prefix(smollm2, 300)
 
 
 def c_widths(spec: str) -> tuple[bool, list[int], str]:
@@ -155,15 +145,6 @@ def test_widths_given_to_every_layer_equal_the_types_and_change_the_logits_where
         llm.close()
     assert np.array_equal(logits["pair"], logits["all"])
     assert not np.array_equal(logits["pair"], logits["tier"]) and np.isfinite(logits["tier"]).all()
-
-
-def greedy(llm: Llama, first: int, n: int) -> list[int]:
-    out = [first]
-    llm.eval(out)
-    for _ in range(n):
-        out.append(int(np.argmax(last_logits(llm))))
-        llm.eval(out[-1:])
-    return out
 
 
 def test_state_keeps_the_layer_widths(smollm2: Path, doc_tokens: list[int]) -> None:
