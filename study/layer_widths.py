@@ -22,7 +22,7 @@ from pathlib import Path
 from ott_gguf import models
 from ott_gguf.calibrate import calibrate
 
-from .tiers import Row, Tier, markdown, measure
+from .tiers import Row, Tier, markdown, measure, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,10 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {time.strftime('%a %b %d %H:%M:%S %Y')} on {platform.machine()}, {a.threads} threads, in "
         f"{time.time() - t0:.0f} s (`python -m study.layer_widths --out {a.out} --models {a.models} "
         f"--chunks {a.chunks} --calib-chunks {a.calib_chunks}`).\n\n" + (__doc__ or "").split("\n\n", 2)[2]
-        + "\n" + "\n".join(parts) + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+        + "\n"
     )  # fmt: skip
-    a.out.write_text(text)
-    print(a.out)
+    write_report(a.out, text, parts, log)
     return 0
 
 

@@ -208,12 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         "cache allocates for 2k/8k/32k tokens (fp16 tail, pools and, for Gemma 3, its f16 window layers "
         "included) over the K and V elements of those tokens in every layer. The ott caches split llama-perplexity's "
         "512-token ubatches at their seal boundaries (batch invariance, issue 13), so every position is scored "
-        "as generation would score it, one token at a time.\n\n" + "\n".join(parts)
-        + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+        "as generation would score it, one token at a time.\n\n"
     )  # fmt: skip
-    a.out.write_text(text)
-    print(a.out)
+    write_report(a.out, text, parts, log)
     return 0
+
+
+def write_report(out: Path, head: str, parts: Sequence[str], log: Sequence[str]) -> None:
+    """A study's markdown: its head, the parts, then the commands that measured them."""
+    out.write_text(head + "\n".join(parts) + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n")
+    print(out)
 
 
 if __name__ == "__main__":
