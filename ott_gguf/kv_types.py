@@ -23,6 +23,7 @@ KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswit
 
 MeanMode = Literal["non_outlier", "all"]
 _BITS = (2, 3, 4)
+K_MIX_BITS = 3  # k_mix mixes 2, 3 and 4-bit channels in groups of 3-bit keys
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
 
@@ -42,6 +43,11 @@ class OttConfig:
     quantization off (x_hat = x), so that the output must equal dense attention. outlier_num = 0 is the KIVI
     baseline ("kivi2"). clip: the quantizer's clipped ranges (quantizer.K_CLIP64, V_ROT_CLIP64), as the native
     kernels use; False: full min-max ranges (the formats before clipping, for studies).
+
+    k_mix: K widths per channel, chosen per sealed group (reference only so far, docs/k-channel-widths.md): in
+    a group of 3-bit keys, the quarter of the channels with the largest range*max|k| get 4 bits and the quarter
+    with the smallest get 2, so a group holds the same code bits; a table of the widths goes with the group.
+    Layers whose keys are not 3 bits wide quantize as without it.
 
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
@@ -63,6 +69,7 @@ class OttConfig:
     v_rotate: bool = True
     clip: bool = True
     layer_widths: str = ""
+    k_mix: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -70,7 +77,7 @@ class OttConfig:
         object.__setattr__(self, "layer_widths", format_layer_widths(parse_layer_widths(self.layer_widths)))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip", "layer_widths") or (
+            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip", "layer_widths", "k_mix") or (
                 f.name.endswith("_bits") and value is None
             ):
                 continue
@@ -80,7 +87,7 @@ class OttConfig:
             value = getattr(self, name)
             if value is not None and value not in _BITS:
                 raise ValueError(f"ott_config.{name} must be one of {_BITS}, got {value}")
-        for name in ("identity", "k_rotate", "v_rotate", "clip"):
+        for name in ("identity", "k_rotate", "v_rotate", "clip", "k_mix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ott_config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("G", "Gv"):
@@ -93,6 +100,8 @@ class OttConfig:
         if self.outlier_num >= self.G:
             # a group must keep at least one non-outlier token to define the placeholder mean
             raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")
+        if self.k_mix and self.k_rotate:
+            raise ValueError("ott_config.k_mix and k_rotate exclude each other (k_mix ranks the unrotated channels)")
         if self.mean not in ("non_outlier", "all"):
             raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
 
@@ -169,9 +178,18 @@ class OttConfig:
 
     @property
     def k_format(self) -> Any:  # quantizer.BlockFormat (imported lazily: this module stays dependency-free)
+        return self.k_format_of(self.kbits)
+
+    def k_format_of(self, bits: int) -> Any:
+        """The block format of one key channel of a group at `bits` (k_mix mixes widths within a group)."""
         from .quantizer import CLIP_ONE, K_CLIP64, BlockFormat
 
-        return BlockFormat(self.kbits, self.G, K_CLIP64[self.kbits] if self.clip else CLIP_ONE)
+        return BlockFormat(bits, self.G, K_CLIP64[bits] if self.clip else CLIP_ONE)
+
+    @property
+    def k_mixed(self) -> bool:
+        """Whether sealed key groups mix widths per channel: k_mix on 3-bit keys."""
+        return self.k_mix and self.kbits == K_MIX_BITS
 
     @property
     def v_format(self) -> Any:

@@ -158,7 +158,7 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                     "K and V types, one per side: choose them with type_k/type_v (e.g. type_k='ott3', "
                     "type_v='ott2'), or kv_type='ott3' for both"
                 )
-        for field in ("k_rotate", "mean", "identity"):
+        for field in ("k_rotate", "k_mix", "mean", "identity"):
             if getattr(cfg, field) != getattr(default, field):
                 raise ValueError(
                     f"ott_config.{field}={getattr(cfg, field)!r} is a variant of the numpy reference only; the "

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_types import ROT_BLOCK, OttConfig
+from .kv_types import K_MIX_BITS, ROT_BLOCK, OttConfig
 from .quantizer import Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
@@ -105,6 +105,8 @@ class SealedGroup:
     # whether the key codes are of the rotated keys (config.k_rotate, unless the rotated group would not fit the
     # fp16 scale and min: see quantize_keys)
     k_rotated: bool = False
+    # (D,) uint8 code width of each key channel (config.k_mixed: key_widths), None: every channel at config.kbits
+    k_widths: np.ndarray | None = None
 
     @property
     def v_rotated(self) -> np.ndarray:
@@ -225,27 +227,64 @@ def check_v_rotation(config: OttConfig, head_dim: int) -> None:
         raise ValueError(f"v_rotate needs the head dim to be a multiple of max(Gv, {ROT_BLOCK}) = {U}, got {head_dim}")
 
 
-def quantize_keys(k: np.ndarray, config: OttConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32, rotated.
+def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
+    """(D,) uint8 code width of each channel of a group of keys k (G, D) under config.k_mix (3-bit keys).
+
+    Channels are ranked by c = (max - min) * max(|max|, |min|) over the group, computed in fp32 from the fp16 keys
+    (one rounded product, so every implementation ranks alike), largest first, ties to the lower channel: the first
+    D/4 get 4 bits, the last D/4 get 2, the others 3, so the group holds exactly 3*D*G code bits. The product
+    weighs a channel's quantization step (its range) by its magnitude, a proxy for its share of the scores
+    q.k (docs/k-channel-widths.md measures it against allocations that know the queries).
+    """
+    kf = np.asarray(k, dtype=np.float32)
+    D = kf.shape[1]
+    mx, mn = kf.max(axis=0), kf.min(axis=0)
+    crit = ((mx - mn).astype(np.float32) * np.maximum(np.abs(mx), np.abs(mn))).astype(np.float32)
+    order = np.lexsort((np.arange(D), -crit))  # lexsort's last key is the primary one
+    n = D // 4
+    widths = np.full(D, K_MIX_BITS, np.uint8)
+    widths[order[:n]] = K_MIX_BITS + 1
+    widths[order[D - n :]] = K_MIX_BITS - 1
+    return widths
+
+
+def quantize_keys(
+    k: np.ndarray, config: OttConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool, np.ndarray | None]:
+    """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32, rotated,
+    widths ((D,) uint8 under config.k_mixed, else None).
 
     k_rotate: the channels quantized are those of the rotated keys and k_hat is rotated back, unless a scale or
     min of the rotated group would not fit fp16 (a rotated value can reach 8x the largest input, beyond fp16 for
     inputs above 65504/8): then the whole group is quantized unrotated, and `rotated` (one flag per group) says so.
+    k_mixed: channel c is quantized at widths[c] bits (key_widths), each width with its own clipped range.
     """
     k = np.asarray(k, dtype=np.float32)
     G, D = k.shape
     if config.identity:
         z = np.zeros(D, np.float16)
-        return np.zeros((D, G), np.uint8), z, z.copy(), k.copy(), False
+        return np.zeros((D, G), np.uint8), z, z.copy(), k.copy(), False, None
+    if config.k_mixed:
+        widths = key_widths(k, config)
+        codes = np.zeros((D, G), np.uint8)
+        d = np.zeros(D, np.float16)
+        m = np.zeros(D, np.float16)
+        k_hat = np.zeros((G, D), np.float32)
+        for bits in np.unique(widths):
+            cs = np.flatnonzero(widths == bits)
+            q = quantize(k.T[cs], config.k_format_of(int(bits)))
+            codes[cs], d[cs], m[cs] = q.codes.reshape(len(cs), G), q.d.reshape(-1), q.m.reshape(-1)
+            k_hat[:, cs] = dequantize(q).T
+        return codes, d, m, k_hat, False, widths
     # transposed: the G tokens of a channel form one group, codes (D, 1, G), d and m (D, 1)
     if config.k_rotate:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
             q = quantize(hadamard_rotate(k).T, config.k_format)
         if np.isfinite(q.d).all() and np.isfinite(q.m).all():
             k_hat = hadamard_rotate(dequantize(q).T)
-            return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat, True
+            return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), k_hat, True, None
     q = quantize(k.T, config.k_format)
-    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), dequantize(q).T.copy(), False
+    return q.codes.reshape(D, G), q.d.reshape(D), q.m.reshape(D), dequantize(q).T.copy(), False, None
 
 
 _SIGN16 = np.uint16(0x8000)  # the sign bit of an fp16
@@ -303,6 +342,7 @@ def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.
     if config.identity:
         return g.k_hat.copy(), g.v_hat.copy()
     D, G = g.k_codes.shape
+    # x = m + d * code per channel: the same whatever the channel's width (k_widths)
     kq = Quantized(codes=g.k_codes.reshape(D, 1, G), d=g.k_scale.reshape(D, 1), m=g.k_min.reshape(D, 1))
     k_hat = dequantize(kq).T.copy()
     if g.k_rotated:
@@ -348,7 +388,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             gv[won] = group_mean(gv, rows)
 
     # 5. quantize and drop the group from the tail
-    k_codes, k_scale, k_min, k_hat, k_rotated = quantize_keys(gk, config)
+    k_codes, k_scale, k_min, k_hat, k_rotated, k_widths = quantize_keys(gk, config)
     v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(
@@ -363,6 +403,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             k_hat=k_hat,
             v_hat=v_hat,
             k_rotated=k_rotated,
+            k_widths=k_widths,
         )
     )
     state.tail_pos = state.tail_pos[G:]
@@ -622,6 +663,7 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     if n_tokens <= 0:
         raise ValueError("n_tokens must be positive")
     kbits, vbits = (config.kbits, config.vbits) if layer is None else config.widths_for_layer(layer)
+    mixed = (config if layer is None else config.for_layer(layer)).k_mixed
     D = head_dim
     t_q = config.G * max(0, (n_tokens - config.R) // config.G)
     t_tail = n_tokens - t_q
@@ -630,6 +672,7 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     return {
         "codes": t_q * D * (kbits + vbits),
         "k_scale_min": 32 * D * t_q / config.G,
+        "k_widths": 2 * D * t_q / config.G if mixed else 0,  # 2 bits per channel and group
         "v_scale_min": 32 * t_q * D / config.Gv,
         "tail": 2 * 16 * D * t_tail,
         "pools": 2 * 16 * D * slots,

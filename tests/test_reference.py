@@ -24,7 +24,9 @@ from ott_gguf.reference import (
     dequantize_group,
     effective_bits,
     hadamard_rotate,
+    key_widths,
     memory_bits,
+    quantize_keys,
     sealed_at,
     ubatch_splits,
 )
@@ -251,6 +253,14 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         # keys at their clipped range, values at the full range unrotated and the clipped one rotated
         kf = BlockFormat(cfg.kbits, G, K_CLIP64[cfg.kbits])
         qk = quantize(xk32.T, kf)
+        if cfg.k_mixed:
+            widths = model_key_widths(xk32)
+            assert g.k_widths is not None and g.k_widths.tolist() == widths
+            parts = [quantize(xk32[:, c][None, :], BlockFormat(w, G, K_CLIP64[w])) for c, w in enumerate(widths)]
+            codes = np.stack([q.codes[0, 0] for q in parts])[:, None, :]
+            qk = Quantized(codes=codes, d=np.stack([q.d[0] for q in parts]), m=np.stack([q.m[0] for q in parts]))
+        else:
+            assert g.k_widths is None
         qv = quantize(xv32, BlockFormat(cfg.vbits, cfg.Gv))
         with np.errstate(over="ignore", invalid="ignore"):  # a rotated group may overflow fp16: the fallback
             rk = quantize(hadamard_rotate(xk32).T, kf)
@@ -275,12 +285,34 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         assert np.array_equal(g.v_hat, decode_values(g.v_codes, g.v_scale, g.v_min, cfg))
 
 
+def model_key_widths(k: np.ndarray) -> list[int]:
+    """k_mix's widths, written from its description: rank by fp32 (max - min) * max(|max|, |min|), largest
+    first, ties to the lower channel; the first quarter 4 bits, the last quarter 2, the rest 3."""
+    D = k.shape[1]
+    crit = [
+        float(np.float32(np.float32(k[:, c].max() - k[:, c].min()) * max(abs(k[:, c].max()), abs(k[:, c].min()))))
+        for c in range(D)
+    ]
+    order = sorted(range(D), key=lambda c: (-crit[c], c))
+    widths = [3] * D
+    for c in order[: D // 4]:
+        widths[c] = 4
+    for c in order[D - D // 4 :]:
+        widths[c] = 2
+    return widths
+
+
+def _config(k_side: tuple[bool, bool], **kwargs: object) -> OttConfig:
+    """k_rotate and k_mix exclude each other: drawn as one pair."""
+    return OttConfig(k_rotate=k_side[0], k_mix=k_side[1], **kwargs)  # type: ignore[arg-type]
+
+
 configs = st.builds(
-    OttConfig,
+    _config,
+    k_side=st.sampled_from([(False, False), (True, False), (False, True)]),
     bits=st.sampled_from([2, 3, 4]),
     k_bits=st.sampled_from([None, 2, 3, 4]),
     v_bits=st.sampled_from([None, 2, 3]),
-    k_rotate=st.booleans(),
     v_rotate=st.booleans(),
     G=st.sampled_from([32, 64]),
     R=st.integers(0, 40),
@@ -852,6 +884,50 @@ def test_effective_bits() -> None:
     assert effective_bits(cfg, D, 500, n_layer=4) == sum(per_layer) / (4 * 2 * 500 * D)
     # fewer than R + G positions: everything in the fp16 tail (16 bits) plus the pools
     assert effective_bits(kivi, D, 100) == 16.0
+
+
+# ---------------------------------------------------------------------------------- K widths per channel
+
+
+def test_k_mix_widths_keep_the_bits_and_follow_the_rule() -> None:
+    rng = np.random.default_rng(5)
+    cfg = OttConfig(k_bits=3, k_mix=True)
+    for D in (64, 256):
+        k = (rng.standard_normal((128, D)) * rng.lognormal(0, 1.5, D)).astype(np.float16)
+        w = key_widths(k, cfg)
+        assert w.dtype == np.uint8 and int(w.sum()) == 3 * D
+        assert [int((w == b).sum()) for b in (2, 3, 4)] == [D // 4, D // 2, D // 4]
+        assert w.tolist() == model_key_widths(k.astype(np.float32))
+    # all channels alike: ties go to the lower channel, so the first quarter is widened, the last narrowed
+    assert key_widths(np.ones((128, 8), np.float16), cfg).tolist() == [4, 4, 3, 3, 3, 3, 2, 2]
+    # only groups of 3-bit keys mix widths; other widths quantize as without k_mix
+    assert cfg.k_mixed and not OttConfig(k_bits=4, k_mix=True).k_mixed and not OttConfig(k_mix=True).k_mixed
+    with pytest.raises(ValueError, match="k_mix and k_rotate"):
+        OttConfig(k_bits=3, k_mix=True, k_rotate=True)
+    with pytest.raises(ValueError, match="k_mix must be a bool"):
+        OttConfig(k_mix=1)  # type: ignore[arg-type]
+
+
+def test_k_mix_lowers_the_score_error_at_the_same_code_bits() -> None:
+    """Keys whose channels differ in scale (as real keys do, docs/k-channel-widths.md): moving bits from the
+    narrow channels to the wide ones lowers the error of q.k for queries of the same shape."""
+    rng = np.random.default_rng(11)
+    D, G = 64, 128
+    scale = rng.lognormal(0, 1.0, D)
+    k = (rng.standard_normal((G, D)) * scale).astype(np.float16)
+    q = rng.standard_normal((256, D)) * scale
+    errs = {}
+    for mix in (False, True):
+        cfg = OttConfig(k_bits=3, k_mix=mix, outlier_num=0)
+        codes, d, m, k_hat, _, widths = quantize_keys(k, cfg)
+        assert (widths is not None) == mix
+        errs[mix] = float(np.mean((q @ (k_hat - k.astype(np.float32)).T) ** 2))
+        if mix:
+            assert (codes < (1 << widths.astype(np.int64))[:, None]).all()
+    assert errs[True] < 0.7 * errs[False]
+    cfg = OttConfig(k_bits=3, k_mix=True)
+    mixed, plain = memory_bits(cfg, D, 4096), memory_bits(cfg.replace(k_mix=False), D, 4096)
+    assert mixed["codes"] == plain["codes"] and mixed["k_widths"] == 2 * D * 31 and plain["k_widths"] == 0
 
 
 # ------------------------------------------------------------------------------- widths per side, rotations
