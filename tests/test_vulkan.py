@@ -2,14 +2,16 @@
 where no GPU is present: AUTO builds it when its build dependencies are there, SmolLM2 with an f16 cache runs fully
 offloaded to Vulkan0 with the CPU's logits, and an ott cache on a Vulkan layer is refused with a clear error (the
 ott ops have no Vulkan code yet), never a crash or a silent move to the CPU; with -nkvo the ott cache stays on the
-CPU, by the user's choice, while the layers' weights run on Vulkan0."""
+CPU, by the user's choice, while the layers' weights run on Vulkan0 (llama-perplexity, and ott_gguf.Llama)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,36 @@ def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
     num = perplexity_numbers(log)
     # the same cache and ops on the CPU, the rest on Vulkan0: measured mean KLD 0.0099, top-1 93.7%
     assert num["mean_kld"] <= 0.03 and num["top1"] >= 85.0, num
+
+
+# ott_gguf.Llama in a process of its own: GGML_VK_VISIBLE_DEVICES must be set before ggml registers its backends
+LLAMA_SCRIPT = """
+import json, sys
+from ott_gguf import Llama
+out = {}
+try:
+    Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, verbose=False)
+    out["refused"] = None
+except ValueError as e:
+    out["refused"] = str(e)
+llm = Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, offload_kqv=False, n_ctx=512, verbose=False)
+msg = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+r = llm.create_chat_completion(msg, max_tokens=32, temperature=0.0)
+out["answer"] = r["choices"][0]["message"]["content"]
+llm.close()
+print(json.dumps(out))
+"""
+
+
+@needs_vulkan
+def test_python_llama_refuses_ott_on_vulkan_and_answers_with_the_cache_on_the_cpu(
+    smollm2: Path, vk_env: dict[str, str]
+) -> None:
+    r = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT, str(smollm2)], capture_output=True, text=True, timeout=600,
+                       env=vk_env)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["refused"] is not None and "ott2: layer 0 is offloaded to Vulkan, which has no ott ops" in out["refused"]
+    # greedy, weights on Vulkan0 and the ott2 cache on the CPU (offload_kqv=False); measured: "The capital of
+    # France is Paris.", as on the CPU alone
+    assert "Paris" in out["answer"], out
