@@ -8,8 +8,10 @@ LCP     := llama-cpp-python==0.3.36
 # PyYAML is in the test line), named here so that pip never touches the llama-cpp-python installed above
 LCP_SERVER := "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
               "starlette-context>=0.3.6,<0.4"
-APT_BUILD := g++ cmake ninja-build patch python3-venv
-APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+# libvulkan-dev, glslc, spirv-headers: the Vulkan backend (OTT_GGUF_VULKAN=AUTO builds it when they are present);
+# mesa-vulkan-drivers: lavapipe, Mesa's Vulkan on the CPU, that the Vulkan tests run on without a GPU
+APT_BUILD := g++ cmake ninja-build patch python3-venv libvulkan-dev glslc spirv-headers
+APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user mesa-vulkan-drivers
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_PROGRESS_BAR=off
 
@@ -19,7 +21,8 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Debian packages: compilers for the build; an aarch64 cross compiler and qemu-user for the NEON tests
+# Debian packages: compilers and the Vulkan SDK parts for the build; an aarch64 cross compiler and qemu-user for
+# the NEON tests, lavapipe for the Vulkan tests
 define apt_ensure
 	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
