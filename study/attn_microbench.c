@@ -1,0 +1,92 @@
+// Time of the attention partial's sealed-group kernel alone (issue 15, docs/decode-profile.md): one thread,
+// NG groups of one KV head sealed from random K/V (rotated V, outliers traced, as the cache runs), then
+// attn_group over all of them for NR query rows (decode: the GQA heads of one KV head), repeated.
+// Prints one JSON line: ns per group call and the state bytes per group, for the (K, V) widths given.
+// Build against a generated ott2-head.c: cc -O3 -march=native -ffp-contract=off -I<gen/ggml> -I native/kernels
+//     study/attn_microbench.c <gen/ggml>/ott2-head.c -lm -o attn_microbench
+#include "ott2-head.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9*ts.tv_nsec;
+}
+
+static uint16_t to_half(float f) { // normal range only: the test data stay within it
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t s = (x >> 16) & 0x8000u, e = (x >> 23) & 0xff, m = x & 0x7fffffu;
+    if (e < 113) {
+        return (uint16_t) s;
+    }
+    return (uint16_t) (s | ((e - 112) << 10) | (m >> 13));
+}
+
+int main(int argc, char ** argv) {
+    const int kbits = argc > 1 ? atoi(argv[1]) : 2, vbits = argc > 2 ? atoi(argv[2]) : 2;
+    const int D = argc > 3 ? atoi(argv[3]) : 64, NR = argc > 4 ? atoi(argv[4]) : 3;
+    const int NG = argc > 5 ? atoi(argv[5]) : 32, reps = argc > 6 ? atoi(argv[6]) : 200;
+    const ott_head_kernels * hk = ott_head_find(kbits, vbits);
+    if (!hk) {
+        return 1;
+    }
+    const int G = hk->G, O = 3, A = 32, S = O + A;
+    const size_t kbytes = (size_t) D*hk->kb, vbytes = (size_t) G*(D/hk->Gv)*hk->vb;
+    char * kq = malloc(kbytes*NG), * vq = malloc(vbytes*NG);
+    uint16_t * gk = malloc(sizeof(uint16_t)*G*D), * gv = malloc(sizeof(uint16_t)*G*D);
+    uint16_t * pool = calloc((size_t) 2*S*D, sizeof(uint16_t));
+    ott_slot_meta meta[64];
+    int n_pool = 0, n_aux = 0, tracing = 1;
+    srand(1);
+    for (int g = 0; g < NG; ++g) {
+        for (int i = 0; i < G*D; ++i) {
+            const float u = (float) rand()/RAND_MAX - 0.5f, w = (float) rand()/RAND_MAX - 0.5f;
+            gk[i] = to_half(4.0f*u + (i % D == 3 ? 20.0f : 0.0f)); // one large channel, as real keys have
+            gv[i] = to_half(2.0f*w);
+        }
+        hk->seal(D, gk, gv, g*G, O, A, meta, pool, pool + (size_t) S*D, &n_pool, meta + O, pool + (size_t) O*D,
+                 pool + (size_t) (S + O)*D, &n_aux, &tracing, 1, kq + g*kbytes, vq + g*vbytes);
+    }
+    float * q = malloc(sizeof(float)*NR*D), * acc = malloc(sizeof(float)*NR*D);
+    float M[256], L[256];
+    float * scratch = malloc(sizeof(float)*(2*G*D + 16));
+    for (int i = 0; i < NR*D; ++i) {
+        q[i] = (float) rand()/RAND_MAX - 0.5f;
+    }
+    double best = 1e30;
+    float sink = 0.0f;
+    for (int r = 0; r < reps; ++r) {
+        for (int i = 0; i < NR; ++i) {
+            M[i] = -INFINITY;
+            L[i] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float)*NR*D);
+        const double t0 = now();
+        for (int g = 0; g < NG; ++g) {
+            int32_t cj[64];
+            int nc = 0;
+            for (int i = 0; i < n_pool + n_aux; ++i) {
+                const int slot = i < n_pool ? i : O + (i - n_pool);
+                if (meta[slot].pos >= g*G && meta[slot].pos < (g + 1)*G) {
+                    cj[nc++] = meta[slot].pos - g*G; // cover rows: the slot's K/V (order as the op's)
+                }
+            }
+            hk->attn_group(D, NR, q, 0.125f, kq + g*kbytes, vq + g*vbytes, 0, cj, pool, pool + (size_t) S*D, 1,
+                           M, L, acc, scratch);
+            (void) nc;
+        }
+        const double t = now() - t0;
+        best = t < best ? t : best;
+        sink += acc[0]/L[0];
+    }
+    printf("{\"kbits\": %d, \"vbits\": %d, \"D\": %d, \"rows\": %d, \"groups\": %d, \"ns_per_group\": %.1f, "
+           "\"bytes_per_group\": %zu, \"GBps\": %.2f, \"isa\": \"%s\", \"sink\": %g}\n", kbits, vbits, D, NR, NG,
+           best/NG*1e9, kbytes + vbytes, (kbytes + vbytes)/(best/NG)/1e9, ott2_head_isa(), (double) sink);
+    return 0;
+}

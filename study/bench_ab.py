@@ -1,0 +1,88 @@
+"""Two builds side by side (issue 15): llama-bench rounds with every (build, K/V type) interleaved in each round,
+so a machine whose load moves affects them alike; the median of the rounds, its spread, and the ratio to f16 of
+the same build and round set.
+
+    python -m study.bench_ab --builds before=/path/to/ott_gguf,after=.venv/lib/python3.11/site-packages/ott_gguf
+        --runs after:f16,before:ott2,after:ott2,before:ott3/ott2,after:ott3/ott2 --depths 0,4096,8192 --rounds 3
+        --out /tmp/ab.md
+
+A build is an installed ott_gguf package directory (its bin/llama-bench runs); a run is build:K/V type. Ratios are
+to the f16 run (any build: f16 shares no code with the ott caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ott_gguf import models
+from ott_gguf.bench import parse_bench_json
+from ott_gguf.kv_types import resolve_kv_types
+
+
+def command(build: Path, model: Path, kv: str, depths: str, n_prompt: int, n_gen: int, threads: int) -> list[str]:
+    k, v = resolve_kv_types(kv)
+    return [str(build / "bin" / "llama-bench"), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1", "-p", str(n_prompt),
+            "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m study.bench_ab", description=__doc__)
+    ap.add_argument("--builds", required=True, help="name=package_dir,... (the installed ott_gguf directories)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", required=True, help="build:kv_type,... in the order each round runs them")
+    ap.add_argument("--depths", default="0,4096,8192")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True, help="markdown; the raw samples go next to it as .json")
+    a = ap.parse_args(argv)
+    builds = {n: Path(p).resolve() for n, p in (b.split("=", 1) for b in a.builds.split(","))}
+    model = models.fetch(a.model, quiet=True)
+    runs = a.runs.split(",")
+    samples: dict[str, list[float]] = {}
+    log: list[str] = []
+    t0 = time.time()
+    for r in range(a.rounds):
+        for run in runs:
+            name, kv = run.split(":", 1)
+            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads)
+            log.append(f"round {r + 1}/{a.rounds}, {name}, {kv}: {' '.join(cmd)}")
+            print(log[-1], file=sys.stderr, flush=True)
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"llama-bench failed ({name}, {kv}):\n{res.stderr[-2000:]}")
+            for row in parse_bench_json(res.stdout, kv):
+                samples.setdefault(f"{name}|{kv}|{row.label}", []).append(row.tokens_per_s)
+        a.out.with_suffix(".json").write_text(json.dumps({"samples": samples, "commands": log}, indent=1))
+    labels = sorted({k.split("|")[2] for k in samples}, key=lambda s: (int(s.split("@")[1]), s))
+    lines = [f"Measured {time.ctime(t0)}, {a.rounds} rounds, {a.threads} threads, model {a.model}, "
+             f"{time.time() - t0:.0f} s (`python -m study.bench_ab {' '.join(argv or sys.argv[1:])}`).", "",
+             "Tokens/s: median of the rounds (min..max); x: the median's ratio to f16's.", "",
+             "| build | K/V | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]  # fmt: skip
+    for run in runs:
+        name, kv = run.split(":", 1)
+        cells = []
+        for lab in labels:
+            v = samples.get(f"{name}|{kv}|{lab}", [])
+            f = next((x for k, x in samples.items() if k.endswith(f"|f16|{lab}")), [])
+            if not v:
+                cells.append("")
+                continue
+            m = statistics.median(v)
+            ratio = f" {m / statistics.median(f):.2f}x" if f and kv != "f16" else ""
+            cells.append(f"{m:.1f} ({min(v):.1f}..{max(v):.1f}){ratio}")
+        lines.append(f"| {name} | {kv} | " + " | ".join(cells) + " |")
+    lines += ["", "Commands:", "", "```", *log, "```", ""]
+    a.out.write_text("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
