@@ -86,18 +86,25 @@ def vk_env() -> dict[str, str]:
     return env
 
 
-@needs_vulkan
-def test_f16_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
-    smollm2: Path, text: Path, vk_env: dict[str, str], tmp_path: Path
-) -> None:
+def vulkan0_against_cpu(env: dict[str, str], model: Path, text: Path, kv: str, tmp_path: Path, *extra: str) -> str:
+    """llama-perplexity's log of every layer on Vulkan0 (plus `extra` flags), KL divergence against the CPU-only
+    run of the same cache type."""
     base = tmp_path / "cpu.kld"
-    r = perplexity(vk_env, smollm2, text, "f16", "-ngl", "0", "-dev", "none", "--kl-divergence-base", str(base))
+    r = perplexity(env, model, text, kv, "-ngl", "0", "-dev", "none", "--kl-divergence-base", str(base))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = perplexity(vk_env, smollm2, text, "f16", "-ngl", "99", "-dev", "Vulkan0", "--kl-divergence-base", str(base),
+    r = perplexity(env, model, text, kv, "-ngl", "99", "-dev", "Vulkan0", *extra, "--kl-divergence-base", str(base),
                    "--kl-divergence")  # fmt: skip
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert f"offloaded {LAYERS}/{LAYERS} layers to GPU" in log, log[-3000:]
+    return log
+
+
+@needs_vulkan
+def test_f16_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
+    smollm2: Path, text: Path, vk_env: dict[str, str], tmp_path: Path
+) -> None:
+    log = vulkan0_against_cpu(vk_env, smollm2, text, "f16", tmp_path)
     assert re.search(r"Vulkan0 KV buffer size", log), log[-3000:]
     num = perplexity_numbers(log)
     # other kernels (ggml-vulkan's matmuls and flash attention against ggml-cpu's, which quantizes the activations
@@ -123,14 +130,7 @@ def test_ott_cache_on_a_vulkan_layer_is_refused_with_a_clear_error(
 def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
     smollm2: Path, text: Path, vk_env: dict[str, str], tmp_path: Path
 ) -> None:
-    base = tmp_path / "cpu.kld"
-    r = perplexity(vk_env, smollm2, text, "ott2", "-ngl", "0", "-dev", "none", "--kl-divergence-base", str(base))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = perplexity(vk_env, smollm2, text, "ott2", "-ngl", "99", "-dev", "Vulkan0", "-nkvo", "--kl-divergence-base",
-                   str(base), "--kl-divergence")  # fmt: skip
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-3000:]
-    assert f"offloaded {LAYERS}/{LAYERS} layers to GPU" in log, log[-3000:]
+    log = vulkan0_against_cpu(vk_env, smollm2, text, "ott2", tmp_path, "-nkvo")
     assert "ott2 cache on CPU" in log and "ott2 cache on Vulkan" not in log, log[-3000:]
     num = perplexity_numbers(log)
     # the same cache and ops on the CPU, the rest on Vulkan0: measured mean KLD 0.0099, top-1 93.7%
