@@ -128,7 +128,6 @@ def test_ggml_ids_select_the_sides(smollm2: Path) -> None:
         ({"kv_type": "ott2", "ott_config": {"k_bits": 3}}, r"ott_config.k_bits=3: .*choose them with type_k/type_v"),
         ({"kv_type": "ott2", "ott_config": {"v_bits": 4}}, r"ott_config.v_bits=4"),
         ({"kv_type": "ott2", "ott_config": {"k_rotate": True}}, r"variant of the numpy reference"),
-        ({"kv_type": "ott3/ott2", "ott_config": {"k_mix": True}}, r"k_mix=True is a variant of the numpy reference"),
         ({"type_k": "q8_0", "type_v": "f16", "flash_attn": False}, r"type_k='q8_0', type_v='f16'.*flash attention"),
         ({"kv_type": "ott3/ott2", "embedding": True}, r"type_k='ott3', type_v='ott2' with embedding=True"),
     ],

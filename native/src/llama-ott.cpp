@@ -131,6 +131,9 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     if (c.v_rotate != 0 && c.v_rotate != 1) {
         return "v_rotate=" + std::to_string(c.v_rotate) + " must be 0 or 1";
     }
+    if (c.k_mix != 0 && c.k_mix != 1) {
+        return "k_mix=" + std::to_string(c.k_mix) + " must be 0 or 1";
+    }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];
         if (w != 0 && (!ott_width_ok(w >> 4) || !ott_width_ok(w & 15))) {
