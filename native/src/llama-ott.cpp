@@ -259,7 +259,7 @@ static llama_memory_i * ott_create_memory(const llama_model & model, const llama
     if (!bad.empty()) {
         throw std::runtime_error(std::string(pair.name) + ": " + bad);
     }
-    if (!ott_head_find(pair.kbits, pair.vbits)) {
+    if (!ott_head_find(pair.kbits, pair.vbits, cfg.k_mix && pair.kbits == 3)) {
         throw std::runtime_error(std::string(pair.name) + ": this build has no kernels for " +
                                  std::to_string(pair.kbits) + "-bit keys with " + std::to_string(pair.vbits) +
                                  "-bit values");
