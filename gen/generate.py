@@ -318,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64,3m/2:128:64,3m/4:64:32",
         help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
-    ap.add_argument("--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64", help="cuda: K/V:G:Gv head configs")
+    ap.add_argument(
+        "--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64", help="cuda: K/V:G:Gv head configs"
+    )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")
     args = ap.parse_args(argv)

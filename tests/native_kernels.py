@@ -335,7 +335,14 @@ class Kernels:
         heads = self._lib.ott_head_kernels(n)
         self._heads = [
             HeadKernelSet(
-                t.kbits, t.vbits, t.G, t.Gv, _ffi.string(t.isa).decode(), int(t.k_block_bytes), int(t.v_block_bytes), t,
+                t.kbits,
+                t.vbits,
+                t.G,
+                t.Gv,
+                _ffi.string(t.isa).decode(),
+                int(t.k_block_bytes),
+                int(t.v_block_bytes),
+                t,
                 kmix=bool(t.kmix),
             )
             for t in (heads[i] for i in range(n[0]))

@@ -15,7 +15,9 @@ K = kernels()
 CASES = [(kb, vb, G, Gv, kmix, isa) for (kb, vb, G, Gv, kmix) in K.head_configs for isa in K.isas]
 
 
-def head_set(kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False, kmix: bool = False) -> HeadKernelSet:
+def head_set(
+    kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False, kmix: bool = False
+) -> HeadKernelSet:
     if not K.cpu_supports(isa):
         pytest.skip(f"this CPU cannot run {isa}")
     return K.head(kbits, vbits, G, Gv, isa, vrot, kmix)
