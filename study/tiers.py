@@ -42,6 +42,7 @@ class Tier:
     v: str  # cache type of V
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
+    k_mix: bool = False  # K widths per channel in the groups of 3-bit keys (docs/k-channel-widths.md)
 
     @property
     def label(self) -> str:
@@ -50,12 +51,12 @@ class Tier:
             name += f" --ott-layers {self.layers}"
         if self.v_rotate is None:
             return name
-        return name + (" +rotV" if self.v_rotate else "")
+        return name + (" +rotV" if self.v_rotate else "") + (" +kmix" if self.k_mix else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
-            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)}"]
+            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)},{int(self.k_mix)}"]
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -63,7 +64,7 @@ class Tier:
     def ott_config(self) -> dict[str, object] | None:
         if self.v_rotate is None:
             return None
-        return {"v_rotate": self.v_rotate, "layer_widths": self.layers}
+        return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix}
 
 
 TIERS = (
@@ -76,6 +77,7 @@ TIERS = (
     Tier("ott2", "ott2", True),
     Tier("ott3", "ott2", False),
     Tier("ott3", "ott2", True),
+    Tier("ott3", "ott2", True, k_mix=True),
     Tier("ott2", "ott3", True),
     Tier("ott3", "ott3", True),
     Tier("ott4", "ott2", True),

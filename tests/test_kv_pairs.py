@@ -127,7 +127,8 @@ def test_ggml_ids_select_the_sides(smollm2: Path) -> None:
         ({"kv_type": "ott2", "ott_config": {"bits": 3}}, r"ott_config.bits=3: .*type_k='ott3', type_v='ott2'"),
         ({"kv_type": "ott2", "ott_config": {"k_bits": 3}}, r"ott_config.k_bits=3: .*choose them with type_k/type_v"),
         ({"kv_type": "ott2", "ott_config": {"v_bits": 4}}, r"ott_config.v_bits=4"),
-        ({"kv_type": "ott2", "ott_config": {"k_rotate": True}}, r"variant of the numpy reference"),
+        ({"kv_type": "ott2", "ott_config": {"k_rotate": True, "k_mix": False}}, r"variant of the numpy reference"),
+        ({"kv_type": "ott2", "ott_config": {"k_rotate": True}}, r"k_mix and k_rotate exclude each other"),
         ({"type_k": "q8_0", "type_v": "f16", "flash_attn": False}, r"type_k='q8_0', type_v='f16'.*flash attention"),
         ({"kv_type": "ott3/ott2", "embedding": True}, r"type_k='ott3', type_v='ott2' with embedding=True"),
     ],
@@ -228,9 +229,9 @@ def test_server_command_per_side_and_ott_params(smollm2: Path) -> None:
     cmd = server_command(smollm2, type_k="ott3", type_v="ott2")
     assert (flag(cmd, "-ctk"), flag(cmd, "-ctv")) == ("ott3", "ott2")
     # Python's configuration, v_rotate included, not llama-server's own defaults
-    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1" and "--no-kv-unified" in cmd
+    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1,1" and "--no-kv-unified" in cmd
     cmd = server_command(smollm2, kv_type="kivi4/kivi2", ott_config=OttConfig(R=16, v_rotate=False))
-    assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == ("kivi4", "kivi2", "128,16,3,32,2,0")
+    assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == ("kivi4", "kivi2", "128,16,3,32,2,0,1")
     cmd = server_command(smollm2, kv_type="ott2", extra=["--ott-params", "128,16,3,32,2"])
     assert cmd.count("--ott-params") == 1 and cmd[-1] == "128,16,3,32,2"  # the caller's own
     cmd = server_command(smollm2, kv_type="q8_0", type_v="q4_0")
@@ -252,7 +253,7 @@ def test_serve_defaults_to_ott2_like_generate_and_chat(smollm2: Path, capsys: py
     assert code == 0, err
     cmd = ran[0]
     assert (cmd[cmd.index("-ctk") + 1], cmd[cmd.index("-ctv") + 1]) == ("ott2", "ott2")
-    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1" and "kv_type=ott2" in out
+    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1,1" and "kv_type=ott2" in out
 
 
 def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:

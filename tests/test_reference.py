@@ -960,7 +960,7 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
     v[:, :, 5] *= 40  # one large value channel: token-wise groups get a wide range
     base = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=8, no_outlier_layers=0, v_rotate=False)
     states = {}
-    for name, cfg in {"plain": base, "rot": dataclasses.replace(base, k_rotate=True, v_rotate=True)}.items():
+    for name, cfg in {"plain": base, "rot": dataclasses.replace(base, k_rotate=True, v_rotate=True, k_mix=False)}.items():
         cache = OttCache(cfg, 1, H, D)
         run(cache, 0, 0, None, k, v, [100])
         states[name] = cache.state(0, 0, 0)
@@ -982,7 +982,7 @@ def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
     unrotated (k_rotated False), and so is every V unit of it (scale sign bits clear), even the Gv block that alone
     would fit (Gv = 32: two blocks per 64-channel unit); nothing stored is ever infinite; an ordinary group is
     rotated."""
-    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True)
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True, k_mix=False)
     rng = np.random.default_rng(5)
     k, v = make_kv(rng, 64, 1, 64, "normal")
     k[32:], v[32:] = 60000.0, 60000.0  # group 1: all channels aligned and large: 8 x 60000 overflows fp16, clipped too
@@ -1035,7 +1035,7 @@ def test_without_v_rotate_every_v_scale_sign_bit_is_clear(kind: str) -> None:
     k, v = make_kv(rng, 200, 2, 128, kind)
     for cfg in (
         OttConfig(G=32, R=8, Gv=32, no_outlier_layers=0, v_rotate=False),
-        OttConfig(G=32, R=8, Gv=64, k_rotate=True, v_rotate=False),
+        OttConfig(G=32, R=8, Gv=64, k_rotate=True, v_rotate=False, k_mix=False),
     ):
         cache = OttCache(cfg, 1, 2, 128)
         run(cache, 0, 0, None, k, v, [70])
@@ -1113,7 +1113,7 @@ def test_config_and_input_validation() -> None:
     assert OttConfig(bits=3).kbits == OttConfig(bits=3).vbits == 3
     assert (OttConfig(bits=3, v_bits=2).kbits, OttConfig(bits=3, v_bits=2).vbits) == (3, 2)
     with pytest.raises(NotImplementedError, match="unrotated keys"):
-        c = OttCache(OttConfig(G=32, Gv=32, k_rotate=True), 1, 1, 64)
+        c = OttCache(OttConfig(G=32, Gv=32, k_rotate=True, k_mix=False), 1, 1, 64)
         z = np.zeros((1, 1, 64), np.float32)
         c.process_ubatch(0, 0, z, z, z, [0], int8_query=True)
     with pytest.raises(ValueError):

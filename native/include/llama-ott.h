@@ -32,7 +32,8 @@ struct llama_ott_config {
     uint8_t layer_widths[LLAMA_OTT_MAX_LAYERS];
 };
 
-// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 0, no per-layer widths.
+// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 1 (docs/tiers.md), no per-layer
+// widths.
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 
 // Sets cfg->layer_widths from a list of "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3,0:3/2"; later

@@ -59,7 +59,8 @@ llama_ott_config llama_ott_config_default(void) {
     c.outlier_num = 3;
     c.aux_cap = 32;
     c.no_outlier_layers = 2;
-    c.v_rotate = 1; // layer_widths all 0: every layer takes the widths of the K/V types
+    c.v_rotate = 1;
+    c.k_mix = 1; // docs/tiers.md; layer_widths all 0: every layer takes the widths of the K/V types
     return c;
 }
 
