@@ -960,7 +960,8 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
     v[:, :, 5] *= 40  # one large value channel: token-wise groups get a wide range
     base = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=8, no_outlier_layers=0, v_rotate=False)
     states = {}
-    for name, cfg in {"plain": base, "rot": dataclasses.replace(base, k_rotate=True, v_rotate=True, k_mix=False)}.items():
+    rot = dataclasses.replace(base, k_rotate=True, v_rotate=True, k_mix=False)
+    for name, cfg in {"plain": base, "rot": rot}.items():
         cache = OttCache(cfg, 1, H, D)
         run(cache, 0, 0, None, k, v, [100])
         states[name] = cache.state(0, 0, 0)

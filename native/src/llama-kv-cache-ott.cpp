@@ -194,7 +194,7 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     }
     LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits%s, V %d bits%s, G=%d R=%d Gv=%d "
                    "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
-                   n_stream, n_ctx_seq, kv_type.kbits, cfg.k_mix ? " (3-bit layers mixed)" : "", kv_type.vbits,
+                   n_stream, n_ctx_seq, kv_type.kbits, cfg.k_mix && kv_type.kbits == 3 ? " mixed" : "", kv_type.vbits,
                    cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
     std::string widths;
