@@ -155,7 +155,7 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
     kbits, vbits, G, Gv = 3, 2, 128, 64
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=3, aux_cap=8, no_outlier_layers=0,
-                        v_rotate=True)  # fmt: skip
+                        v_rotate=True, k_mix=False)  # fmt: skip
     D, H, n_head, n = 128, 1, 2, 2 * G + 40
     st = LayerState(cfg, 3, D, H, n_head, n_stream=1, n_ctx=n + 8)
     cache = ref.OttCache(cfg, 1, H, D)

@@ -86,7 +86,8 @@ def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
     clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
     hk = head_set(3, 2, 128, 64, isa, vrot=True) if Gv == 64 else head_set(2, 2, 64, 32, isa, vrot=True)
     G = hk.G
-    cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True)
+    cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True,
+                        k_mix=False)  # fmt: skip
     rng = np.random.default_rng(Gv)
     n, D = 2 * G + 40, 128
     k, v = keys_values(rng, n, D)

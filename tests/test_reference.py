@@ -411,7 +411,7 @@ def kivi_reference(cfg: OttConfig, q, k, v, cuts) -> tuple[np.ndarray, list[list
 )
 def test_outlier_num_zero_is_block_kivi(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
     """kivi2: outputs of every ubatch and the sealed codes equal an independent block-G KIVI with R..R+G-1 tail."""
-    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap, v_rotate=False)
+    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap, v_rotate=False, k_mix=False)
     rng = np.random.default_rng(seed)
     H, nq, D = 2, 4, 64
     k, v = make_kv(rng, n, H, D, kind)
@@ -1077,7 +1077,9 @@ def test_a_zero_range_rotated_block_keeps_its_flag() -> None:
 @pytest.mark.parametrize("k_bits,v_bits", [(3, 2), (2, 3), (4, 2)])
 def test_widths_per_side(k_bits: int, v_bits: int) -> None:
     """K and V codes of their own widths, in bits and in the error they leave; the memory counts each side's."""
-    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0, k_bits=k_bits, v_bits=v_bits)
+    cfg = OttConfig(
+        G=32, R=8, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0, k_bits=k_bits, v_bits=v_bits, k_mix=False
+    )  # uniform widths (k_mix has its own tests)
     rng = np.random.default_rng(k_bits * 10 + v_bits)
     n, H, D = 200, 1, 64
     k, v = make_kv(rng, n, H, D, "normal")
