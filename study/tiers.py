@@ -148,7 +148,7 @@ def markdown(name: str, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SPEED_TYPES = (("f16", "f16"), ("ott2", "ott2"), ("ott3", "ott2"), ("q4_0", "q4_0"))
+SPEED_TYPES = (("f16", "f16"), ("ott2", "ott2"), ("ott3", "ott2"), ("ott3", "ott3"), ("q4_0", "q4_0"))
 
 
 def speed(path: Path, depth: int, rounds: int, threads: int, log: list[str]) -> dict[str, list[float]]:
