@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             f"Measured {time.strftime('%a %b %d %H:%M:%S %Y')} on {platform.machine()}, {a.threads} threads, "
             f"{a.rounds} rounds, types interleaved in each round (`python -m study.tiers --speed --out {a.out} "
             f"--models {a.models} --depth {a.depth} --rounds {a.rounds}`); llama-bench runs the ott caches with "
-            "the defaults (V rotated, 3-bit keys with k_mix).\n\n" + "\n".join(parts) + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+            "the defaults (V rotated, 3-bit keys with k_mix).\n\n"
+            + "\n".join(parts)
+            + "\n## Commands\n\n```\n"
+            + "\n".join(log)
+            + "\n```\n"
         )
         print(a.out)
         return 0
