@@ -44,6 +44,9 @@ ISA_FLAGS = {
 # test checks the two tables agree): keys by width; rotated values by (width, Gv); unrotated values full range.
 CLIP_ONE = 64
 K_CLIP64 = {2: 48, 3: 58, 4: 64}
+# k_mix (docs/k-channel-widths.md): a sealed group of K_MIX_BITS-bit keys gives its D/4 channels of largest
+# (max - min)*max(|max|, |min|) one bit more and its D/4 smallest one bit less, each width with its own clipped range
+K_MIX_BITS = 3
 V_ROT_CLIP64 = {
     (2, 32): 47, (3, 32): 58, (4, 32): 63,
     (2, 64): 42, (3, 64): 55, (4, 64): 61,
@@ -124,10 +127,28 @@ class HeadConfig:
     vbits: int
     G: int
     Gv: int
+    kmix: bool = False  # K widths per channel (K_MIX_BITS - 1 .. K_MIX_BITS + 1), chosen per sealed group
+
+    def __post_init__(self) -> None:
+        if self.kmix and self.kbits != K_MIX_BITS:
+            raise ValueError(f"mixed K widths need {K_MIX_BITS}-bit keys, got {self.kbits}")
 
     @property
     def k(self) -> Config:
+        """K blocks (one channel over G tokens); with kmix the nominal width's format."""
         return Config(self.kbits, self.G, K_CLIP64.get(self.kbits, CLIP_ONE))
+
+    @property
+    def k_formats(self) -> tuple[Config, ...]:
+        """Every K block format a group can hold: with kmix one per width, in width order."""
+        if not self.kmix:
+            return (self.k,)
+        return tuple(Config(b, self.G, K_CLIP64.get(b, CLIP_ONE)) for b in (self.kbits - 1, self.kbits, self.kbits + 1))
+
+    def k_group_bytes(self, D: int) -> int:
+        """Bytes of one head's sealed K group: D channel blocks, plus with kmix the table of D 2-bit widths (the
+        quotas make the blocks take exactly D nominal-width blocks)."""
+        return D * self.k.block_bytes + (D // 4 if self.kmix else 0)
 
     @property
     def v(self) -> Config:
@@ -141,28 +162,31 @@ class HeadConfig:
 
     @property
     def tag(self) -> str:
-        return f"k{self.kbits}v{self.vbits}g{self.G}x{self.Gv}"
+        return f"k{self.kbits}{'m' if self.kmix else ''}v{self.vbits}g{self.G}x{self.Gv}"
 
     @property
     def spec(self) -> str:
-        return f"{self.kbits}/{self.vbits}:{self.G}:{self.Gv}"
+        return f"{self.kbits}{'m' if self.kmix else ''}/{self.vbits}:{self.G}:{self.Gv}"
 
     @property
     def int_chunk(self) -> int:
         """Channels whose int8-query x code products an int16 lane can sum without overflow (a power of 2)."""
         n = 2
-        while 2 * n * self.k.nlev * 127 <= 32767:
+        nlev = max(c.nlev for c in self.k_formats)
+        while 2 * n * nlev * 127 <= 32767:
             n *= 2
         return n
 
 
 def parse_heads(text: str) -> list[HeadConfig]:
-    """'K/V:G:Gv' items (or 'B:G:Gv' for the same width on both sides), comma-separated."""
+    """'K/V:G:Gv' items (or 'B:G:Gv' for the same width on both sides; K as '3m': mixed widths), comma-separated."""
     out = []
     for item in text.split(","):
         b, g, gv = item.strip().split(":")
         kb, _, vb = b.partition("/")
-        hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv))
+        mix = kb.endswith("m")
+        kb = kb.removesuffix("m")
+        hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv), mix)
         hc.k, hc.v, hc.vr  # noqa: B018 (validates the block formats)
         out.append(hc)
     return out
@@ -172,7 +196,7 @@ def with_head_formats(configs: list[Config], heads: list[HeadConfig]) -> list[Co
     """The block configs plus every K and V format the head configs need, each once, in a stable order."""
     out = list(configs)
     for hc in heads:
-        for c in (hc.k, hc.v, hc.vr):
+        for c in (*hc.k_formats, hc.v, hc.vr):
             if c not in out:
                 out.append(c)
     return out
@@ -225,8 +249,10 @@ WIDTHS = tuple(PLANES)  # code widths of the ott cache types (ott2, ott3, ott4),
 
 
 def build_heads(G: int, Gv: int) -> list[HeadConfig]:
-    """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on)."""
-    return [HeadConfig(kb, vb, G, Gv) for kb in WIDTHS for vb in WIDTHS]
+    """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on), and the
+    mixed-width keys (k_mix) with every V width."""
+    plain = [HeadConfig(kb, vb, G, Gv) for kb in WIDTHS for vb in WIDTHS]
+    return plain + [HeadConfig(K_MIX_BITS, vb, G, Gv, True) for vb in WIDTHS]
 
 
 def heads_param(heads: list[HeadConfig]) -> str:
@@ -289,10 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="2:32,2:64,2:128,3:64,4:64", help="kernels/cuda: bits:group list")
     ap.add_argument(
         "--heads",
-        default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64",
+        default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64,3m/2:128:64,3m/4:64:32",
         help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
-    ap.add_argument("--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64", help="cuda: K/V:G:Gv head configs")
+    ap.add_argument(
+        "--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64", help="cuda: K/V:G:Gv head configs"
+    )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")
     args = ap.parse_args(argv)

@@ -33,11 +33,20 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return la
 
 
+KLD_ROWS = 128  # rows per block of kl_divergence
+
+
 def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64."""
-    la = log_softmax(ref_logits)
-    lb = log_softmax(logits)
-    return (np.exp(la) * (la - lb)).sum(axis=1)
+    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64 in blocks of rows
+    (a 262k-token vocabulary makes one float64 matrix of a few thousand rows several GB)."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logit shapes differ: {ref_logits.shape} and {logits.shape}")
+    out = np.empty(ref_logits.shape[0], np.float64)
+    for i in range(0, ref_logits.shape[0], KLD_ROWS):
+        la = log_softmax(ref_logits[i : i + KLD_ROWS])
+        lb = log_softmax(logits[i : i + KLD_ROWS])
+        out[i : i + KLD_ROWS] = (np.exp(la) * (la - lb)).sum(axis=1)
+    return out
 
 
 def eval_logits(model: Path | str, kv_type: str, tokens: list[int], n_ctx: int = 2048, ubatch: int = 512,

@@ -31,7 +31,7 @@ ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim
 class OttConfig:
     """Parameters of the ott caches (spec/ott2-algorithm.md).
 
-    The native cache takes G, R, outlier_num, aux_cap, no_outlier_layers and v_rotate (C struct
+    The native cache takes G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix (C struct
     `llama_ott_config`); its code widths come from the K and V types (type_k="ott3": 3-bit keys) and Gv from the
     build. The other fields are variants of the numpy reference (and of the fidelity study): bits, or k_bits/v_bits
     per side (None: bits); k_rotate/v_rotate:
@@ -44,10 +44,12 @@ class OttConfig:
     baseline ("kivi2"). clip: the quantizer's clipped ranges (quantizer.K_CLIP64, V_ROT_CLIP64), as the native
     kernels use; False: full min-max ranges (the formats before clipping, for studies).
 
-    k_mix: K widths per channel, chosen per sealed group (reference only so far, docs/k-channel-widths.md): in
+    k_mix: K widths per channel, chosen per sealed group (docs/k-channel-widths.md): in
     a group of 3-bit keys, the quarter of the channels with the largest range*max|k| get 4 bits and the quarter
     with the smallest get 2, so a group holds the same code bits; a table of the widths goes with the group.
-    Layers whose keys are not 3 bits wide quantize as without it.
+    Layers whose keys are not 3 bits wide quantize as without it. On by default: at the bytes of 3-bit keys (plus
+    0.016 bits per key element) it cuts the KL divergence of ott3/ott2 by about a third on both test models
+    (docs/tiers.md); k_rotate needs it off.
 
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
@@ -69,7 +71,7 @@ class OttConfig:
     v_rotate: bool = True
     clip: bool = True
     layer_widths: str = ""
-    k_mix: bool = False
+    k_mix: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -116,8 +118,8 @@ class OttConfig:
         return self.bits if self.v_bits is None else self.v_bits
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
-    # (all int32 there: v_rotate is 0 or 1)
-    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate")
+    # (all int32 there: v_rotate and k_mix are 0 or 1)
+    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix")
 
     @classmethod
     def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
@@ -158,7 +160,7 @@ class OttConfig:
         return self.replace(**changes) if changes else self
 
     def native(self) -> tuple[int, ...]:
-        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate: 0 or 1)."""
+        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, k_mix: 0 or 1)."""
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def widths_for_layer(self, layer: int) -> tuple[int, int]:

@@ -39,10 +39,10 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
     type_v="ott2" keeps 3-bit keys and 2-bit values. Both sides must be ott* types or both kivi* types (kivi: the
     same cache without outlier tokens), in any widths; stock types mix freely.
     Quantized cache types need flash attention, which is switched on for them (and by default for all).
-    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate) tunes the ott caches of
-    this Llama only (other Llama objects, in this thread or another, keep theirs). After creation, `kv_type` is
-    the pair's name ("ott3/ott2", or "ott2" when both sides agree), `kv_type_k`/`kv_type_v` the sides, and
-    `ott_config` the configuration the cache runs, read back from it.
+    ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix) tunes the ott
+    caches of this Llama only (other Llama objects, in this thread or another, keep theirs). After creation,
+    `kv_type` is the pair's name ("ott3/ott2", or "ott2" when both sides agree), `kv_type_k`/`kv_type_v` the sides,
+    and `ott_config` the configuration the cache runs, read back from it.
     """
 
     def __init__(
@@ -158,7 +158,7 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                     "K and V types, one per side: choose them with type_k/type_v (e.g. type_k='ott3', "
                     "type_v='ott2'), or kv_type='ott3' for both"
                 )
-        for field in ("k_rotate", "k_mix", "mean", "identity"):
+        for field in ("k_rotate", "mean", "identity"):
             if getattr(cfg, field) != getattr(default, field):
                 raise ValueError(
                     f"ott_config.{field}={getattr(cfg, field)!r} is a variant of the numpy reference only; the "

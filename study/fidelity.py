@@ -250,7 +250,7 @@ def width_schemes(base: ref.OttConfig | None = None) -> list[Scheme]:
             c = replace(base, k_bits=kb, v_bits=vb, v_rotate=vr)
             out.append(Scheme(width_name(kb, vb, v_rotate=vr), "ott", config=c))
     for kb, vb in ((2, 2), (3, 2)):
-        c = replace(base, k_bits=kb, v_bits=vb, k_rotate=True, v_rotate=True)
+        c = replace(base, k_bits=kb, v_bits=vb, k_rotate=True, v_rotate=True, k_mix=False)
         out.append(Scheme(width_name(kb, vb, k_rotate=True, v_rotate=True), "ott", config=c))
         c = replace(base, k_bits=kb, v_bits=vb, v_rotate=True, outlier_num=0)
         out.append(Scheme(width_name(kb, vb, v_rotate=True, kivi=True), "ott", config=c))

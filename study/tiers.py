@@ -42,6 +42,7 @@ class Tier:
     v: str  # cache type of V
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
+    k_mix: bool = True  # K widths per channel in the groups of 3-bit keys (the default; docs/k-channel-widths.md)
 
     @property
     def label(self) -> str:
@@ -50,12 +51,13 @@ class Tier:
             name += f" --ott-layers {self.layers}"
         if self.v_rotate is None:
             return name
-        return name + (" +rotV" if self.v_rotate else "")
+        uniform = not self.k_mix and "3" in self.k and not self.layers  # where k_mix would apply but is off
+        return name + (" +rotV" if self.v_rotate else "") + (" uniform K" if uniform else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
-            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)}"]
+            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)},{int(self.k_mix)}"]
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -63,7 +65,7 @@ class Tier:
     def ott_config(self) -> dict[str, object] | None:
         if self.v_rotate is None:
             return None
-        return {"v_rotate": self.v_rotate, "layer_widths": self.layers}
+        return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix}
 
 
 TIERS = (
@@ -71,11 +73,13 @@ TIERS = (
     Tier("q4_0", "q4_0"),
     Tier("kivi2", "kivi2", True),
     Tier("kivi3", "kivi2", True),
+    Tier("kivi3", "kivi2", True, k_mix=False),
     # rotated V against plain on the two candidates (the default is decided by these); the other pairs rotated
     Tier("ott2", "ott2", False),
     Tier("ott2", "ott2", True),
     Tier("ott3", "ott2", False),
     Tier("ott3", "ott2", True),
+    Tier("ott3", "ott2", True, k_mix=False),
     Tier("ott2", "ott3", True),
     Tier("ott3", "ott3", True),
     Tier("ott4", "ott2", True),
@@ -144,7 +148,7 @@ def markdown(name: str, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SPEED_TYPES = (("f16", "f16"), ("ott2", "ott2"), ("ott3", "ott2"), ("q4_0", "q4_0"))
+SPEED_TYPES = (("f16", "f16"), ("ott2", "ott2"), ("ott3", "ott2"), ("ott3", "ott3"), ("q4_0", "q4_0"))
 
 
 def speed(path: Path, depth: int, rounds: int, threads: int, log: list[str]) -> dict[str, list[float]]:
@@ -191,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             f"Measured {time.strftime('%a %b %d %H:%M:%S %Y')} on {platform.machine()}, {a.threads} threads, "
             f"{a.rounds} rounds, types interleaved in each round (`python -m study.tiers --speed --out {a.out} "
             f"--models {a.models} --depth {a.depth} --rounds {a.rounds}`); llama-bench runs the ott caches with "
-            "the defaults (V rotated).\n\n" + "\n".join(parts) + "\n## Commands\n\n```\n" + "\n".join(log) + "\n```\n"
+            "the defaults (V rotated, 3-bit keys with k_mix).\n\n"
+            + "\n".join(parts)
+            + "\n## Commands\n\n```\n"
+            + "\n".join(log)
+            + "\n```\n"
         )
         print(a.out)
         return 0
@@ -204,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {when} on {platform.machine()}, {a.threads} threads, in {time.time() - t0:.0f} s "
         f"(`python -m study.tiers --out {a.out} --models {a.models} --chunks {a.chunks}`).\n\n"
         "llama-perplexity over 2048-token chunks of the pinned llama.cpp docs, KL divergence against f16; "
-        "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`). Bits per element: the bytes the "
+        "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`); 3-bit keys run k_mix (K widths per "
+        "channel, the default: docs/k-channel-widths.md) unless marked `uniform K`. Bits per element: the bytes the "
         "cache allocates for 2k/8k/32k tokens (fp16 tail, pools and, for Gemma 3, its f16 window layers "
         "included) over the K and V elements of those tokens in every layer. The ott caches split llama-perplexity's "
         "512-token ubatches at their seal boundaries (batch invariance, issue 13), so every position is scored "

@@ -35,14 +35,14 @@ typedef struct {
 """
 
 
-def head_tag(kbits: int, vbits: int, G: int, Gv: int) -> str:
-    """The generator's name of a head config (gen/generate.py HeadConfig.tag)."""
-    return f"k{kbits}v{vbits}g{G}x{Gv}"
+def head_tag(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False) -> str:
+    """The generator's name of a head config (gen/generate.py HeadConfig.tag); kmix: K widths per channel."""
+    return f"k{kbits}{'m' if kmix else ''}v{vbits}g{G}x{Gv}"
 
 
-def head_spec(kbits: int, vbits: int, G: int, Gv: int) -> str:
+def head_spec(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False) -> str:
     """A head config as the generator's --cuda-heads item."""
-    return f"{kbits}/{vbits}:{G}:{Gv}"
+    return f"{kbits}{'m' if kmix else ''}/{vbits}:{G}:{Gv}"
 
 
 def generate(out: Path, heads: str) -> Path:
@@ -99,7 +99,7 @@ def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "nativ
 @dataclass
 class LayerState:
     """One layer's ott tensors for n_stream streams, H KV heads of dimension D (the cache's layouts); the K/V
-    widths and v_rotate come from cfg."""
+    widths, k_mix and v_rotate come from cfg."""
 
     cfg: ref.OttConfig
     outlier_num: int
@@ -118,10 +118,13 @@ class LayerState:
         self.S = self.outlier_num + c.aux_cap
         self.NG = (self.n_ctx + c.G - 1) // c.G
         self.KB = c.k_format.block_bytes
+        # one head's sealed K group (gen/generate.py HeadConfig.k_group_bytes): with k_mix the blocks of mixed
+        # widths take D nominal blocks, then the table of the D 2-bit widths
+        self.KGB = D * self.KB + (D // 4 if c.k_mixed else 0)
         self.VB = c.v_format.block_bytes
         self.arrays = {
             "ring": np.zeros((2 * ns, self.T, H, D), np.uint16),
-            "sk": np.zeros((ns, H, self.NG, D * self.KB), np.uint8),
+            "sk": np.zeros((ns, H, self.NG, self.KGB), np.uint8),
             "sv": np.zeros((ns, H, self.NG, c.G * (D // c.Gv) * self.VB), np.uint8),
             "pkv": np.zeros((H * ns, 2, self.S, D), np.uint16),
             "pmeta": np.zeros((ns, H, 2 * self.S + 3), np.int32),

@@ -86,8 +86,23 @@ def as_arrays(p: ref.Pool) -> PoolArrays:
 
 
 def pack_group(g: ref.SealedGroup, cfg: ref.OttConfig) -> tuple[np.ndarray, np.ndarray]:
+    """A reference group in the kernels' layout: (the head's K region as flat bytes, V blocks (G*D/Gv, VB))."""
     D, G = g.k_codes.shape
-    kq = Q.pack(Q.Quantized(g.k_codes.reshape(D, 1, G), g.k_scale.reshape(D, 1), g.k_min.reshape(D, 1)), cfg.k_format)
+    if g.k_widths is None:
+        kq = Q.pack(Q.Quantized(g.k_codes.reshape(D, 1, G), g.k_scale.reshape(D, 1), g.k_min.reshape(D, 1)),
+                    cfg.k_format)  # fmt: skip
+        kq = kq.reshape(-1)
+    else:
+        # k_mix: channel blocks in channel order, each at its width, then the 2-bit width table (width - 2,
+        # channel c at bits 2*(c % 4) of byte c // 4): gen/templates/ott_head.c.j2
+        blocks = [
+            Q.pack(Q.Quantized(g.k_codes[c].reshape(1, 1, G), g.k_scale[c : c + 1].reshape(1, 1),
+                               g.k_min[c : c + 1].reshape(1, 1)), cfg.k_format_of(int(g.k_widths[c]))).reshape(-1)
+            for c in range(D)
+        ]  # fmt: skip
+        w = (g.k_widths.astype(np.uint8) - (ref.K_MIX_BITS - 1)).reshape(D // 4, 4)
+        table = (w[:, 0] | (w[:, 1] << 2) | (w[:, 2] << 4) | (w[:, 3] << 6)).astype(np.uint8)
+        kq = np.concatenate([*blocks, table])
     vq = Q.pack(Q.Quantized(g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), g.v_scale, g.v_min), cfg.v_format)
     return kq, vq
 
@@ -154,7 +169,7 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
     D = st.head_dim
     scale = 1.0 / math.sqrt(D)
     pooled = st.pooled()
-    kq = np.concatenate(nat.kq) if nat.kq else np.zeros((0, hk.k_block_bytes), np.uint8)
+    kq = np.concatenate(nat.kq) if nat.kq else np.zeros(0, np.uint8)
     vq = np.concatenate(nat.vq) if nat.vq else np.zeros((0, hk.v_block_bytes), np.uint8)
     lo = st.n_sealed * st.G
     vmax = float(np.abs(st.served()[2]).max())

@@ -56,6 +56,7 @@ _ffi.cdef(
         int vbits;
         int G;
         int Gv;
+        int kmix;
         const char * isa;
         size_t k_block_bytes;
         size_t v_block_bytes;
@@ -142,7 +143,7 @@ class PoolArrays:
 
 @dataclass
 class SealResult:
-    kq: np.ndarray  # (D, k_block_bytes) uint8: channel c's block over the group's G tokens
+    kq: np.ndarray  # (k_group_bytes(D),) uint8: channel c's block over the group's G tokens (k_mix: + width table)
     vq: np.ndarray  # (G * D/Gv, v_block_bytes) uint8
     pool: PoolArrays
     aux: PoolArrays
@@ -168,6 +169,11 @@ class HeadKernelSet:
     v_block_bytes: int
     _k: object
     vrot: bool = False
+    kmix: bool = False
+
+    def k_group_bytes(self, D: int) -> int:
+        """Bytes of one sealed K group of the head (k_mix: the D channel blocks plus their 2-bit width table)."""
+        return D * self.k_block_bytes + (D // 4 if self.kmix else 0)
 
     def with_vrot(self, vrot: bool) -> HeadKernelSet:
         return dataclasses.replace(self, vrot=vrot)
@@ -205,7 +211,7 @@ class HeadKernelSet:
         pm, pk, pv, pn = slots(pool, outlier_num)
         am, ak, av, an = slots(aux, aux_cap)
         tr = _ffi.new("int *", int(tracing))
-        kq = np.zeros((D, self.k_block_bytes), np.uint8)
+        kq = np.zeros(self.k_group_bytes(D), np.uint8)
         vq = np.zeros((G * D // self.Gv, self.v_block_bytes), np.uint8)
         u16 = "uint16_t *"
         n_won = self._k.seal(
@@ -286,7 +292,7 @@ class HeadKernelSet:
         scratch = np.zeros(2 * self.G * D, np.float32)
         kq = np.ascontiguousarray(kq, np.uint8).reshape(-1)
         vq = np.ascontiguousarray(vq, np.uint8).reshape(-1)
-        kbytes, vbytes = D * self.k_block_bytes, self.G * (D // self.Gv) * self.v_block_bytes
+        kbytes, vbytes = self.k_group_bytes(D), self.G * (D // self.Gv) * self.v_block_bytes
         ppos = np.asarray(pooled_pos, np.int32)
         pk, pv = _u16(pooled_k).reshape(-1, D), _u16(pooled_v).reshape(-1, D)
         u16, f32 = "uint16_t *", "float *"
@@ -329,7 +335,15 @@ class Kernels:
         heads = self._lib.ott_head_kernels(n)
         self._heads = [
             HeadKernelSet(
-                t.kbits, t.vbits, t.G, t.Gv, _ffi.string(t.isa).decode(), int(t.k_block_bytes), int(t.v_block_bytes), t
+                t.kbits,
+                t.vbits,
+                t.G,
+                t.Gv,
+                _ffi.string(t.isa).decode(),
+                int(t.k_block_bytes),
+                int(t.v_block_bytes),
+                t,
+                kmix=bool(t.kmix),
             )
             for t in (heads[i] for i in range(n[0]))
         ]
@@ -349,15 +363,17 @@ class Kernels:
         return sorted({(k.bits, k.group, k.clip) for k in self._sets if k.clip != 64})
 
     @property
-    def head_configs(self) -> list[tuple[int, int, int, int]]:
-        """(K bits, V bits, G, Gv) of every generated head config."""
-        return sorted({(h.kbits, h.vbits, h.G, h.Gv) for h in self._heads})
+    def head_configs(self) -> list[tuple[int, int, int, int, bool]]:
+        """(K bits, V bits, G, Gv, k_mix) of every generated head config."""
+        return sorted({(h.kbits, h.vbits, h.G, h.Gv, h.kmix) for h in self._heads})
 
-    def head(self, kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False) -> HeadKernelSet:
+    def head(self, kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False,
+             kmix: bool = False) -> HeadKernelSet:  # fmt: skip
         for h in self._heads:
-            if (h.kbits, h.vbits, h.G, h.Gv, h.isa) == (kbits, vbits, G, Gv, isa):
+            if (h.kbits, h.vbits, h.G, h.Gv, h.kmix, h.isa) == (kbits, vbits, G, Gv, kmix, isa):
                 return h.with_vrot(vrot)
-        raise KeyError(f"no head kernels for K {kbits} bits, V {vbits} bits, G={G}, Gv={Gv}, isa={isa}")
+        raise KeyError(f"no head kernels for K {kbits} bits{' mixed' if kmix else ''}, V {vbits} bits, G={G}, "
+                       f"Gv={Gv}, isa={isa}")  # fmt: skip
 
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))

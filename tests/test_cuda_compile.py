@@ -12,15 +12,16 @@ import pytest
 from helpers import ROOT, require_tool
 
 ARCHS = ["sm_75", "sm_86", "sm_89"]
-# K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs
-TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64"]
+# K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs, and
+# 3-bit keys with widths per channel (k_mix, "3m")
+TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64"]
 
 
 def spec_tag(spec: str) -> str:
     """gen/generate.py's tag of a K/V:G:Gv (or B:G:Gv) head spec."""
     b, g, gv = spec.split(":")
     kb, _, vb = b.partition("/")
-    return f"k{kb}v{vb or kb}g{g}x{gv}"
+    return f"k{kb}v{vb or kb.removesuffix('m')}g{g}x{gv}"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
 def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
     program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture:
-    one file per head config, configs that between them have every K width and every V width."""
+    one file per head config, configs that between them have every K width and every V width, and k_mix."""
     require_tool("nvcc", hint="the CUDA toolkit")
     src = tmp_path / "gen"
     subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
@@ -124,10 +125,10 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     ):
         assert fn in syms
     # the glue reaches the kernels of every head config the build renders (through ott2_cuda_find)
-    m = re.search(r"heads=([0-9/:]+(?:,[0-9/:]+)*)", ops.read_text().splitlines()[0])
+    m = re.search(r"heads=([0-9m/:]+(?:,[0-9m/:]+)*)", ops.read_text().splitlines()[0])
     assert m, "no head configs in the header line of ott2-cuda-ops.cu"
     tags = [spec_tag(h) for h in m.group(1).split(",")]
-    assert len(tags) == 9  # ott2..4 K with ott2..4 V
+    assert len(tags) == 12  # ott2..4 K with ott2..4 V, and 3-bit keys of mixed widths (k_mix) with each V
     for tag in tags:
         for fn in ("attn_part", "attn_merge", "seal"):
             assert f"U ott2_cuda_{tag}_{fn}" in syms  # referenced by the glue

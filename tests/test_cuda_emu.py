@@ -30,8 +30,8 @@ from ott_gguf import reference as ref
 
 from helpers import keys_values, pack_group
 
-# (K bits, V bits, G, Gv) of the rendered head configs
-HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64)]
+# (K bits, V bits, G, Gv[, k_mix]) of the rendered head configs
+HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64), (3, 2, 128, 64, True)]
 TAGS = [head_tag(*h) for h in HEADS]
 
 
@@ -51,9 +51,10 @@ def has_gpu() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-# (K bits, V bits, G, Gv), D, H, n_head, outlier_num, aux_cap, v_rotate: SmolLM2's head shape, Gemma 3's (D 256,
-# one KV head), kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group, K and V of different
-# widths (ott3 K with ott2 V), plain and with V stored rotated (one rotation unit per token at D 64, four at D 256)
+# (K bits, V bits, G, Gv[, k_mix]), D, H, n_head, outlier_num, aux_cap, v_rotate: SmolLM2's head shape, Gemma 3's
+# (D 256, one KV head), kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group, K and V of
+# different widths (ott3 K with ott2 V), plain and with V stored rotated (one rotation unit per token at D 64, four
+# at D 256), and 3-bit keys with widths per channel (k_mix: 2, 3 and 4-bit blocks and the width table)
 CASES = [
     ((2, 2, 128, 64), 64, 3, 9, 3, 32, False),
     ((2, 2, 128, 64), 256, 1, 4, 3, 32, False),
@@ -64,6 +65,8 @@ CASES = [
     ((3, 2, 128, 64), 64, 2, 4, 3, 32, False),
     ((3, 2, 128, 64), 64, 2, 4, 3, 32, True),
     ((3, 2, 128, 64), 256, 1, 2, 3, 32, True),
+    ((3, 2, 128, 64, True), 64, 2, 4, 3, 32, True),
+    ((3, 2, 128, 64, True), 256, 1, 2, 3, 8, False),
 ]
 
 
@@ -76,10 +79,12 @@ SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 
 def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
-    (kbits, vbits, G, Gv), D, H, n_head, outlier_num, aux_cap, v_rotate = case
-    tag = head_tag(kbits, vbits, G, Gv)
+    head, D, H, n_head, outlier_num, aux_cap, v_rotate = case
+    kbits, vbits, G, Gv, *mix = head
+    k_mix = bool(mix and mix[0])
+    tag = head_tag(*head)
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap,
-                        no_outlier_layers=0, v_rotate=v_rotate)  # fmt: skip
+                        no_outlier_layers=0, v_rotate=v_rotate, k_mix=k_mix)  # fmt: skip
     rng = np.random.default_rng(seed)
     n_total = sum(SCHEDULE)
     n_stream = 2
@@ -115,6 +120,11 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
     # the scales' sign bits (compared bit for bit above) flag rotated V: every unit here, or none
     assert all(np.signbit(g.v_scale).all() == v_rotate and np.signbit(g.v_scale).any() == v_rotate
                for g in s0.groups)  # fmt: skip
+    # k_mix: every group holds each width on its quota of channels (and so the table, compared above)
+    for g in s0.groups:
+        assert (g.k_widths is not None) == k_mix
+        if k_mix:
+            assert np.bincount(g.k_widths, minlength=5)[2:].tolist() == [D // 4, D // 2, D // 4]
 
 
 def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int, h: int) -> None:
@@ -145,7 +155,7 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
     kbits, vbits, G, Gv = 3, 2, 128, 64
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=3, aux_cap=8, no_outlier_layers=0,
-                        v_rotate=True)  # fmt: skip
+                        v_rotate=True, k_mix=False)  # fmt: skip
     D, H, n_head, n = 128, 1, 2, 2 * G + 40
     st = LayerState(cfg, 3, D, H, n_head, n_stream=1, n_ctx=n + 8)
     cache = ref.OttCache(cfg, 1, H, D)
@@ -170,6 +180,44 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     flags = np.signbit(groups[0].v_scale)  # (G, D/Gv): one block per unit here
     assert not flags[5, 0] and flags[5, 1:].all() and flags[np.arange(G) != 5].all()
     assert np.signbit(groups[1].v_scale).all()
+
+
+def test_emulated_mixed_key_widths_break_ties_to_the_lower_channel(emu: OpsLib) -> None:
+    """k_mix ranks channels by (max - min)*max(|max|, |min|), ties to the lower channel: a criterion shared by
+    three channels across the 4-bit quota's edge, and constant channels (criterion 0) across the 2-bit quota's,
+    give the widths the reference gives, bit for bit (codes, scales, mins and the width table)."""
+    cfg = ref.OttConfig(k_bits=3, v_bits=2, R=32, outlier_num=3, aux_cap=8, no_outlier_layers=0, k_mix=True)
+    D, H, n_head, n = 64, 1, 2, 2 * cfg.G + 40
+    st = LayerState(cfg, 3, D, H, n_head, n_stream=1, n_ctx=n + 8)
+    cache = ref.OttCache(cfg, 1, H, D)
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((n, D)).astype(np.float32)
+    v = rng.standard_normal((n, D)).astype(np.float32)
+    k[:, 1:16] *= np.float32(100.0)  # ranks 0..14: 4 bits
+    k[:, 40] = k[:, 0] * np.float32(30.0)  # ranks 15..17, one criterion (a negated copy has the same range and max)
+    k[:, 20], k[:, 50] = -k[:, 40], k[:, 40]
+    const = 2 * np.arange(12, 31) + 1  # 19 constant channels (criterion 0) at ranks 45..63
+    k[:, const] = np.float32(0.25)
+    scale = 1.0 / math.sqrt(D)
+    tag = head_tag(3, 2, cfg.G, cfg.Gv, True)
+    start = 0
+    for m in (n - 3, 1, 2):
+        q = (rng.standard_normal((1, m, n_head, D)) * 0.5).astype(np.float32)
+        kk, vv = k[None, start : start + m, None], v[None, start : start + m, None]
+        got = st.step(emu, tag, [0], q, kk, vv, NS=8 if m == 1 else 1)
+        want = cache.process_ubatch(0, 0, q[0], kk[0], vv[0], np.arange(start, start + m), scale, int8_query=True)
+        assert want is not None
+        vmax = float(np.abs(cache.state(0, 0, 0).served()[2]).max())
+        np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
+        start += m
+        check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+    groups = cache.state(0, 0, 0).groups
+    assert len(groups) == 2
+    for g in groups:
+        w = g.k_widths
+        assert w is not None
+        assert (w[1:16] == 4).all() and w[20] == 4 and w[40] == 3 and w[50] == 3  # the tie across ranks 15, 16
+        assert (w[const[:3]] == 3).all() and (w[const[3:]] == 2).all()  # and across ranks 47, 48
 
 
 def test_cdef_matches_the_generated_header(sources: Path) -> None:

@@ -12,24 +12,26 @@ from ott_gguf import reference as ref
 from helpers import check_attention, keys_values, lockstep
 
 K = kernels()
-CASES = [(kb, vb, G, Gv, isa) for (kb, vb, G, Gv) in K.head_configs for isa in K.isas]
+CASES = [(kb, vb, G, Gv, kmix, isa) for (kb, vb, G, Gv, kmix) in K.head_configs for isa in K.isas]
 
 
-def head_set(kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False) -> HeadKernelSet:
+def head_set(
+    kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False, kmix: bool = False
+) -> HeadKernelSet:
     if not K.cpu_supports(isa):
         pytest.skip(f"this CPU cannot run {isa}")
-    return K.head(kbits, vbits, G, Gv, isa, vrot)
+    return K.head(kbits, vbits, G, Gv, isa, vrot, kmix)
 
 
-@pytest.mark.parametrize("kbits,vbits,G,Gv,isa", CASES)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,isa", CASES)
 @pytest.mark.parametrize("outlier_num,aux_cap,vrot", [(3, 32, False), (0, 32, False), (2, 1, False), (3, 32, True)])
-def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: int, isa: str, outlier_num: int,
-                                            aux_cap: int, vrot: bool) -> None:  # fmt: skip
-    hk = head_set(kbits, vbits, G, Gv, isa, vrot)
+def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: int, kmix: bool, isa: str,
+                                            outlier_num: int, aux_cap: int, vrot: bool) -> None:  # fmt: skip
+    hk = head_set(kbits, vbits, G, Gv, isa, vrot, kmix)
     D = 128 if vrot else 64  # two rotation units per token
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=outlier_num, aux_cap=aux_cap,
-                        v_rotate=vrot)  # fmt: skip
-    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num)
+                        v_rotate=vrot, k_mix=kmix)  # fmt: skip
+    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num + kmix)
     n = 5 * G + 40
     k, v = keys_values(rng, n, D)
     if aux_cap == 1:
@@ -40,6 +42,9 @@ def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: 
     if aux_cap == 1 and outlier_num:
         assert not st.tracing  # the small aux pool filled: tracing stopped, no token dropped
     check_attention(hk, st, nat, rng)
+    if kmix:  # every sealed group mixed its widths by the quotas
+        assert all(sorted(np.bincount(g.k_widths, minlength=5)[2:].tolist()) == [D // 4, D // 4, D // 2]
+                   for g in st.groups)  # fmt: skip
 
 
 @pytest.mark.parametrize("isa", K.isas)
@@ -81,7 +86,8 @@ def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
     clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
     hk = head_set(3, 2, 128, 64, isa, vrot=True) if Gv == 64 else head_set(2, 2, 64, 32, isa, vrot=True)
     G = hk.G
-    cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True)
+    cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True,
+                        k_mix=False)  # fmt: skip
     rng = np.random.default_rng(Gv)
     n, D = 2 * G + 40, 128
     k, v = keys_values(rng, n, D)

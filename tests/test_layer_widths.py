@@ -71,7 +71,7 @@ def test_bad_specs_are_refused_by_both(spec: str, message: str) -> None:
 
 
 def test_the_c_struct_carries_a_byte_per_layer() -> None:
-    assert ctypes.sizeof(_lib.LlamaOttConfig) == 6 * 4 + 256
+    assert ctypes.sizeof(_lib.LlamaOttConfig) == 7 * 4 + 256
     assert list(_lib.native().llama_ott_config_default().layer_widths) == [0] * 256
     bad = _lib.LlamaOttConfig.of(OttConfig())
     bad.layer_widths[3] = 0x51
@@ -158,7 +158,7 @@ def test_state_keeps_the_layer_widths(smollm2: Path, doc_tokens: list[int]) -> N
     assert greedy(same, doc_tokens[200], 6) == first
     other = Llama(str(smollm2), kv_type="ott2", ott_config=cfg.replace(layer_widths="15-24:4/2"), n_ctx=N_CTX,
                   verbose=False)  # fmt: skip
-    with pytest.raises(ValueError, match=r"layer 15 has K/V bits 4/3 there, 4/2 in this cache \(layer_widths\)"):
+    with pytest.raises(ValueError, match=r"layer 15 has K/V bits 4/3 there, 4/2 in this cache \(layer_widths, k_mix"):
         other.load_state(state)
     for x in (llm, same, other):
         x.close()

@@ -17,15 +17,22 @@ from ott_gguf import reference as ref
 from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
 
 CONFIGS = [(2, 32), (2, 64), (2, 128), (3, 64), (4, 64)]
-# (K bits, V bits, G, Gv): the generator's default head configs (`kernels --arch aarch64`, which the driver is built
-# from; test_driver_has_the_generated_heads checks the two agree)
-HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (2, 2, 32, 32), (3, 3, 128, 64), (4, 4, 128, 64), (3, 2, 128, 64),
-         (2, 3, 128, 64), (4, 2, 128, 64)]  # fmt: skip
+# (K bits, V bits, G, Gv, K widths per channel): the generator's default head configs (`kernels --arch aarch64`,
+# which the driver is built from; test_driver_has_the_generated_heads checks the two agree)
+HEADS = [(2, 2, 128, 64, False), (2, 2, 64, 32, False), (2, 2, 32, 32, False), (3, 3, 128, 64, False),
+         (4, 4, 128, 64, False), (3, 2, 128, 64, False), (2, 3, 128, 64, False), (4, 2, 128, 64, False),
+         (3, 2, 128, 64, True), (3, 4, 64, 32, True)]  # fmt: skip
 # V stored rotated (qemu is slow: two configs): a per-side width pair, and one with Gv below the rotation block
 # whose test also plants a unit that falls back to unrotated
-VROT_HEADS = [(3, 2, 128, 64), (2, 2, 64, 32)]
-HEAD_CASES = [pytest.param(*h, False, id=f"k{h[0]}v{h[1]}g{h[2]}x{h[3]}") for h in HEADS] + [
-    pytest.param(*h, True, id=f"k{h[0]}v{h[1]}g{h[2]}x{h[3]}-vrot") for h in VROT_HEADS
+VROT_HEADS = [(3, 2, 128, 64, False), (2, 2, 64, 32, False)]
+
+
+def _hid(h: tuple[int, int, int, int, bool]) -> str:
+    return f"k{h[0]}{'m' if h[4] else ''}v{h[1]}g{h[2]}x{h[3]}"
+
+
+HEAD_CASES = [pytest.param(*h, False, id=_hid(h)) for h in HEADS] + [
+    pytest.param(*h, True, id=_hid(h) + "-vrot") for h in VROT_HEADS
 ]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
@@ -128,7 +135,8 @@ def test_driver_has_the_generated_heads(driver: Path, gen_dir: Path) -> None:
     m = re.search(r"heads=([^)]*)\)", line)
     assert m, line
     specs = [s.split(":") for s in m.group(1).split(",")]
-    got = [(int(b.partition("/")[0]), int(b.partition("/")[2] or b), int(g), int(gv)) for b, g, gv in specs]
+    got = [(int(b.partition("/")[0].removesuffix("m")), int(b.partition("/")[2] or b), int(g), int(gv),
+            b.partition("/")[0].endswith("m")) for b, g, gv in specs]  # fmt: skip
     assert got == HEADS
 
 
@@ -137,10 +145,11 @@ class QemuHead:
     (native_kernels.HeadKernelSet); vrot: V stored rotated."""
 
     def __init__(self, driver: Path, kbits: int, vbits: int, G: int, Gv: int, isa: str, tmp: Path,
-                 vrot: bool = False) -> None:  # fmt: skip
+                 vrot: bool = False, kmix: bool = False) -> None:  # fmt: skip
         self.driver, self.tmp = driver, tmp
-        self.args = [str(kbits), str(vbits), str(G), str(Gv), isa, str(int(vrot))]
+        self.args = [f"{kbits}{'m' if kmix else ''}", str(vbits), str(G), str(Gv), isa, str(int(vrot))]
         self.kbits, self.vbits, self.G, self.Gv, self.isa, self.vrot = kbits, vbits, G, Gv, isa, vrot
+        self.kmix = kmix
         self.k_block_bytes = Q.BlockFormat(kbits, G).block_bytes
         self.v_block_bytes = Q.BlockFormat(vbits, Gv).block_bytes
 
@@ -169,8 +178,9 @@ class QemuHead:
         out = self._run("seal", payload)
         n_won, n_pool, n_aux, tr = np.frombuffer(out[:16], np.int32)
         off = 16
-        kq_n, vq_n = D * self.k_block_bytes, self.G * (D // self.Gv) * self.v_block_bytes
-        kq = np.frombuffer(out[off : off + kq_n], np.uint8).reshape(D, -1)
+        kq_n = D * self.k_block_bytes + (D // 4 if self.kmix else 0)
+        vq_n = self.G * (D // self.Gv) * self.v_block_bytes
+        kq = np.frombuffer(out[off : off + kq_n], np.uint8)
         off += kq_n
         vq = np.frombuffer(out[off : off + vq_n], np.uint8).reshape(-1, self.v_block_bytes)
         off += vq_n
@@ -219,11 +229,12 @@ class QemuHead:
 
 
 @pytest.mark.parametrize("isa", ["neon", "scalar"])
-@pytest.mark.parametrize("kbits,vbits,G,Gv,vrot", HEAD_CASES)
-def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: int, G: int, Gv: int, vrot: bool,
-                                              isa: str, tmp_path: Path) -> None:  # fmt: skip
-    hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot)
-    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4, v_rotate=vrot)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,vrot", HEAD_CASES)
+def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: int, G: int, Gv: int, kmix: bool,
+                                              vrot: bool, isa: str, tmp_path: Path) -> None:  # fmt: skip
+    hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot, kmix)
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4, v_rotate=vrot,
+                        k_mix=kmix)  # fmt: skip
     rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv)
     n = 4 * G + 40
     D = 128 if vrot else 64  # rotated: two rotation units per token

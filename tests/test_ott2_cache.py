@@ -307,6 +307,11 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     out = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,16,3,32,2,1"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "K 3 bits mixed, V 2 bits rotated" in next(s for s in out.stderr.splitlines() if "ott3/ott2 cache:" in s)
+    # the 7th value: k_mix (on by default), off here
+    out = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,16,3,32,2,1,0"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
     assert "K 3 bits, V 2 bits rotated" in next(s for s in out.stderr.splitlines() if "ott3/ott2 cache:" in s)
     bad = subprocess.run([*base, "-ctk", "ott5", "-ctv", "ott5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "ott5" in bad.stderr
@@ -317,6 +322,9 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     bad = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,2"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "v_rotate=2 must be 0 or 1" in bad.stderr
+    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,1,2"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "k_mix=2 must be 0 or 1" in bad.stderr
     # an ott type with a kivi type or a stock type is refused, naming the allowed ones
     for k, v in (("ott2", "kivi2"), ("ott3", "f16")):
         mixed = subprocess.run([*base, "-ctk", k, "-ctv", v], capture_output=True, text=True, timeout=120)

@@ -411,7 +411,7 @@ def kivi_reference(cfg: OttConfig, q, k, v, cuts) -> tuple[np.ndarray, list[list
 )
 def test_outlier_num_zero_is_block_kivi(cfg: OttConfig, n: int, cuts: list[int], kind: str, seed: int) -> None:
     """kivi2: outputs of every ubatch and the sealed codes equal an independent block-G KIVI with R..R+G-1 tail."""
-    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap, v_rotate=False)
+    cfg = OttConfig.kivi2(bits=cfg.bits, G=cfg.G, R=cfg.R, Gv=cfg.Gv, aux_cap=cfg.aux_cap, v_rotate=False, k_mix=False)
     rng = np.random.default_rng(seed)
     H, nq, D = 2, 4, 64
     k, v = make_kv(rng, n, H, D, kind)
@@ -960,7 +960,8 @@ def test_rotation_leaves_the_pools_alone_and_spreads_a_value_outlier() -> None:
     v[:, :, 5] *= 40  # one large value channel: token-wise groups get a wide range
     base = OttConfig(G=32, R=8, Gv=32, outlier_num=3, aux_cap=8, no_outlier_layers=0, v_rotate=False)
     states = {}
-    for name, cfg in {"plain": base, "rot": dataclasses.replace(base, k_rotate=True, v_rotate=True)}.items():
+    rot = dataclasses.replace(base, k_rotate=True, v_rotate=True, k_mix=False)
+    for name, cfg in {"plain": base, "rot": rot}.items():
         cache = OttCache(cfg, 1, H, D)
         run(cache, 0, 0, None, k, v, [100])
         states[name] = cache.state(0, 0, 0)
@@ -982,7 +983,7 @@ def test_a_group_too_large_to_rotate_is_stored_unrotated() -> None:
     unrotated (k_rotated False), and so is every V unit of it (scale sign bits clear), even the Gv block that alone
     would fit (Gv = 32: two blocks per 64-channel unit); nothing stored is ever infinite; an ordinary group is
     rotated."""
-    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True)
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=0, no_outlier_layers=0, k_rotate=True, v_rotate=True, k_mix=False)
     rng = np.random.default_rng(5)
     k, v = make_kv(rng, 64, 1, 64, "normal")
     k[32:], v[32:] = 60000.0, 60000.0  # group 1: all channels aligned and large: 8 x 60000 overflows fp16, clipped too
@@ -1035,7 +1036,7 @@ def test_without_v_rotate_every_v_scale_sign_bit_is_clear(kind: str) -> None:
     k, v = make_kv(rng, 200, 2, 128, kind)
     for cfg in (
         OttConfig(G=32, R=8, Gv=32, no_outlier_layers=0, v_rotate=False),
-        OttConfig(G=32, R=8, Gv=64, k_rotate=True, v_rotate=False),
+        OttConfig(G=32, R=8, Gv=64, k_rotate=True, v_rotate=False, k_mix=False),
     ):
         cache = OttCache(cfg, 1, 2, 128)
         run(cache, 0, 0, None, k, v, [70])
@@ -1076,7 +1077,9 @@ def test_a_zero_range_rotated_block_keeps_its_flag() -> None:
 @pytest.mark.parametrize("k_bits,v_bits", [(3, 2), (2, 3), (4, 2)])
 def test_widths_per_side(k_bits: int, v_bits: int) -> None:
     """K and V codes of their own widths, in bits and in the error they leave; the memory counts each side's."""
-    cfg = OttConfig(G=32, R=8, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0, k_bits=k_bits, v_bits=v_bits)
+    cfg = OttConfig(
+        G=32, R=8, Gv=32, outlier_num=2, aux_cap=4, no_outlier_layers=0, k_bits=k_bits, v_bits=v_bits, k_mix=False
+    )  # uniform widths (k_mix has its own tests)
     rng = np.random.default_rng(k_bits * 10 + v_bits)
     n, H, D = 200, 1, 64
     k, v = make_kv(rng, n, H, D, "normal")
@@ -1113,7 +1116,7 @@ def test_config_and_input_validation() -> None:
     assert OttConfig(bits=3).kbits == OttConfig(bits=3).vbits == 3
     assert (OttConfig(bits=3, v_bits=2).kbits, OttConfig(bits=3, v_bits=2).vbits) == (3, 2)
     with pytest.raises(NotImplementedError, match="unrotated keys"):
-        c = OttCache(OttConfig(G=32, Gv=32, k_rotate=True), 1, 1, 64)
+        c = OttCache(OttConfig(G=32, Gv=32, k_rotate=True, k_mix=False), 1, 1, 64)
         z = np.zeros((1, 1, 64), np.float32)
         c.process_ubatch(0, 0, z, z, z, [0], int8_query=True)
     with pytest.raises(ValueError):

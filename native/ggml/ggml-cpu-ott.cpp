@@ -58,9 +58,9 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
     const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
     const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
-    const size_t kbytes = (size_t) D*hk->kb, vbytes = (size_t) G*(D/p.Gv)*hk->vb;
+    const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
     thread_local std::vector<float> scratch, qb, acc, M, L;
     thread_local std::vector<int32_t> qpos, cj;
@@ -106,7 +106,7 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
                 }
                 hk->attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
                                v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
-                               p.v_rotate, M.data(), L.data(), acc.data(), scratch.data());
+                               ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(), L.data(), acc.data(), scratch.data());
             }
         } else {
             // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
@@ -165,7 +165,7 @@ void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
         }
         float l = 0.0f;
         for (int64_t k = 0; k < NS1; ++k) {
-            if (p.v_rotate && k == NS1 - 1) {
+            if (((p.flags & GGML_OTT_V_ROTATE) != 0) && k == NS1 - 1) {
                 ott_head_unrotate((int) D, out);
             }
             const float * st = state(k);
@@ -191,9 +191,9 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     int32_t * flags = (int32_t *) dst->src[9]->data;
     const ott_views v = views_of(dst, p);
     const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
-    const size_t kbytes = (size_t) D*hk->kb, vbytes = (size_t) G*(D/p.Gv)*hk->vb;
+    const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
     for (int64_t u = ith; u < v.ns*p.H; u += nth) {
         const int64_t si = u / p.H;
@@ -219,7 +219,7 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
             hk->seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
                      slots, pool, pool + (size_t) p.S*D, &n_pool,
                      slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
-                     p.v_rotate, v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
+                     ((p.flags & GGML_OTT_V_ROTATE) != 0), v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
             meta[2*p.S] = n_pool;
             meta[2*p.S + 1] = n_aux;
             meta[2*p.S + 2] = tracing;

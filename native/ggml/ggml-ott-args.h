@@ -19,7 +19,7 @@ static inline ott_cu_args ggml_ott_cu_args(const struct ggml_tensor * op) {
     a.ns = (int32_t) plan->ne[1];
     a.n_tok = (int32_t) (op->src[1]->ne[2] / a.ns);
     a.n_stream = p->n_stream; a.outlier_num = p->outlier_num; a.aux_cap = p->aux_cap; a.scale = p->scale;
-    a.v_rotate = p->v_rotate;
+    a.v_rotate = (p->flags & GGML_OTT_V_ROTATE) != 0;
     a.q = op->op == GGML_OP_OTT_ATTN_PART ? (const float *) op->src[0]->data : NULL;
     a.k = (const float *) op->src[1]->data;
     a.v = (const float *) op->src[2]->data;

@@ -34,10 +34,11 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
 // of every tensor.
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header;
-// 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths)
-static const uint32_t OTT_STATE_VERSION = 5;
-static const int      OTT_STATE_HDR     = 12; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
-                                              // n_layer, K bits, V bits, v_rotate
+// 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths); 6: k_mix in the header and
+// beside each layer's widths
+static const uint32_t OTT_STATE_VERSION = 6;
+static const int      OTT_STATE_HDR     = 13; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+                                              // n_layer, K bits, V bits, v_rotate, k_mix
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -94,7 +95,7 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                                           (uint32_t) hk->Gv, (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
                                           (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                           (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
-                                          (uint32_t) cfg.v_rotate };
+                                          (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -106,8 +107,9 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
 
 void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const {
     for (const auto & L : layers) {
-        const uint32_t shape[6] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S,
-                                    (uint32_t) L.op.kbits, (uint32_t) L.op.vbits };
+        const uint32_t shape[7] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S,
+                                    (uint32_t) L.op.kbits, (uint32_t) L.op.vbits,
+                                    (uint32_t) ((L.op.flags & GGML_OTT_K_MIX) != 0) };
         io.write(shape, sizeof(shape));
     }
     std::vector<uint32_t> which;
@@ -171,9 +173,9 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                                    (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
                                                    (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                                    (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
-                                                   (uint32_t) cfg.v_rotate };
+                                                   (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix };
         const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
-                                                  "n_layer", "K bits", "V bits", "v_rotate" };
+                                                  "n_layer", "K bits", "V bits", "v_rotate", "k_mix" };
         for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
@@ -209,18 +211,41 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
     }
 }
 
+// Whether the sealed K groups [0, n_sealed) of (stream s, head h) of a k_mix layer have width tables the kernels can
+// walk: D/4 channels of each outer width, no unknown width code (a crafted state could otherwise make them read
+// past a group).
+static bool ott_width_tables_ok(const ott_layer & L, int32_t s, int32_t h, int32_t n_sealed) {
+    const size_t D = (size_t) L.op.D, gbytes = L.sealed_k->nb[1];
+    const size_t kb = (gbytes - D/4)/D; // the nominal block bytes: the blocks take D of them
+    std::vector<uint8_t> tbl(D/4);
+    for (int32_t g = 0; g < n_sealed; ++g) {
+        ggml_backend_tensor_get(L.sealed_k, tbl.data(), h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*gbytes + D*kb,
+                                tbl.size());
+        size_t count[4] = {};
+        for (size_t c = 0; c < D; ++c) {
+            count[(tbl[c/4] >> (2*(c%4))) & 3]++;
+        }
+        if (count[3] != 0 || count[0] != D/4 || count[2] != D/4) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_id) {
     for (const auto & L : layers) {
-        uint32_t shape[6];
+        uint32_t shape[7];
         io.read(shape, sizeof(shape));
         if (shape[0] != (uint32_t) L.op.D || shape[1] != (uint32_t) L.op.H || shape[2] != (uint32_t) L.op.T || shape[3] != (uint32_t) L.op.S) {
             throw std::runtime_error(std::string(kv_type.name) + ": the state's layer shapes differ from this model's");
         }
-        if (shape[4] != (uint32_t) L.op.kbits || shape[5] != (uint32_t) L.op.vbits) {
+        const uint32_t kmix = (L.op.flags & GGML_OTT_K_MIX) != 0;
+        if (shape[4] != (uint32_t) L.op.kbits || shape[5] != (uint32_t) L.op.vbits || shape[6] != kmix) {
             throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another configuration: "
                                      "layer " + std::to_string(L.il) + " has K/V bits " + std::to_string(shape[4]) +
-                                     "/" + std::to_string(shape[5]) + " there, " + std::to_string(L.op.kbits) + "/" +
-                                     std::to_string(L.op.vbits) + " in this cache (layer_widths)");
+                                     (shape[6] ? "m" : "") + "/" + std::to_string(shape[5]) + " there, " +
+                                     std::to_string(L.op.kbits) + (kmix ? "m" : "") + "/" +
+                                     std::to_string(L.op.vbits) + " in this cache (layer_widths, k_mix; m: mixed K widths)");
         }
     }
     uint32_t n = 0;
@@ -244,6 +269,11 @@ void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_
         for (auto & L : layers) {
             for (int32_t h = 0; h < L.op.H; ++h) {
                 ott_read_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
+                if ((L.op.flags & GGML_OTT_K_MIX) && !ott_width_tables_ok(L, s, h, rec[2])) {
+                    reset_stream_meta((uint32_t) s);
+                    throw std::runtime_error(std::string(kv_type.name) + ": the state's K width tables are not "
+                                             "k_mix's quotas (a corrupt state)");
+                }
                 ott_read_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
                 for (int kv = 0; kv < 2; ++kv) {
                     for (int32_t pos = rec[2]*cfg.G; pos < rec[1]; ++pos) {

@@ -52,7 +52,7 @@ static void ott_check_rpc_device(const char * type_name, uint32_t il, ggml_backe
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams,
                                        const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg_in,
                                        const layer_filter_cb & filter) :
-    kv_type(kv_type), hk(ott_head_find(kv_type.kbits, kv_type.vbits)), cfg(ott_effective_config(kv_type, cfg_in)),
+    kv_type(kv_type), hk(ott_head_find(kv_type.kbits, kv_type.vbits, 0)), cfg(ott_effective_config(kv_type, cfg_in)),
     n_stream(cparams.n_seq_max),
     // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
     n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
@@ -133,12 +133,14 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         // the layer's own widths where the configuration gives them (llama_ott_config.layer_widths)
         const int32_t w = il < LLAMA_OTT_MAX_LAYERS ? cfg.layer_widths[il] : 0;
         const int32_t kbits = w ? w >> 4 : kv_type.kbits, vbits = w ? w & 15 : kv_type.vbits;
-        const ott_head_kernels * hkl = ott_head_find(kbits, vbits);
+        // k_mix changes the K format of 3-bit layers only (its widths are 3 +- 1)
+        const int32_t kmix = cfg.k_mix && kbits == 3;
+        const ott_head_kernels * hkl = ott_head_find(kbits, vbits, kmix);
         GGML_ASSERT(hkl && hkl->G == hk->G && hkl->Gv == hk->Gv);
         ott_layer L;
         L.il = il;
         L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
-        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) D*hkl->kb, NG, H, n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) ott_head_kbytes(hkl, (int) D), NG, H, n_stream);
         L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*hkl->vb, NG, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, ott_meta_row::len(S), H, n_stream);
@@ -162,7 +164,7 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.aux_cap     = cfg.aux_cap;
         L.op.kbits       = kbits;
         L.op.vbits       = vbits;
-        L.op.v_rotate    = cfg.v_rotate;
+        L.op.flags       = (cfg.v_rotate ? GGML_OTT_V_ROTATE : 0) | (kmix ? GGML_OTT_K_MIX : 0);
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
@@ -190,13 +192,15 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     for (uint32_t s = 0; s < n_stream; ++s) {
         reset_stream_meta(s);
     }
-    LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits, V %d bits%s, G=%d R=%d Gv=%d "
+    LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits%s, V %d bits%s, G=%d R=%d Gv=%d "
                    "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
-                   n_stream, n_ctx_seq, kv_type.kbits, kv_type.vbits, cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
+                   n_stream, n_ctx_seq, kv_type.kbits, cfg.k_mix && kv_type.kbits == 3 ? " mixed" : "", kv_type.vbits,
+                   cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
     std::string widths;
     for (const auto & L : layers) {
-        widths += " " + std::to_string(L.op.kbits) + "/" + std::to_string(L.op.vbits);
+        widths += " " + std::to_string(L.op.kbits) + ((L.op.flags & GGML_OTT_K_MIX) ? "m" : "") + "/" +
+                  std::to_string(L.op.vbits);
     }
     LLAMA_LOG_INFO("%s: %s cache: K/V bits by layer:%s\n", __func__, kv_type.name, widths.c_str());
     LLAMA_LOG_INFO("%s: %s cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",

@@ -88,7 +88,8 @@ struct ott_meta_row {
 struct ott_layer {
     int32_t il;
     ggml_tensor * ring      = nullptr; // F16 [D, H, T, 2*n_stream]: (K, V) of stream s at 2s, 2s+1; slot = pos % T
-    ggml_tensor * sealed_k  = nullptr; // I8  [D*KB, NG, H, n_stream]: group g = D blocks, channel c over G tokens
+    ggml_tensor * sealed_k  = nullptr; // I8  [D*KB (+ D/4 k_mix), NG, H, n_stream]: group g = D blocks, channel c
+                                       // over G tokens (k_mix: each at its width, then the width table)
     ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
     ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
     ggml_tensor * pool_meta = nullptr; // I32 [ott_meta_row::len(S), H, n_stream]

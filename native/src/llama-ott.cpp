@@ -59,7 +59,8 @@ llama_ott_config llama_ott_config_default(void) {
     c.outlier_num = 3;
     c.aux_cap = 32;
     c.no_outlier_layers = 2;
-    c.v_rotate = 1; // layer_widths all 0: every layer takes the widths of the K/V types
+    c.v_rotate = 1;
+    c.k_mix = 1; // docs/tiers.md; layer_widths all 0: every layer takes the widths of the K/V types
     return c;
 }
 
@@ -130,6 +131,9 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.v_rotate != 0 && c.v_rotate != 1) {
         return "v_rotate=" + std::to_string(c.v_rotate) + " must be 0 or 1";
+    }
+    if (c.k_mix != 0 && c.k_mix != 1) {
+        return "k_mix=" + std::to_string(c.k_mix) + " must be 0 or 1";
     }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];
@@ -256,7 +260,7 @@ static llama_memory_i * ott_create_memory(const llama_model & model, const llama
     if (!bad.empty()) {
         throw std::runtime_error(std::string(pair.name) + ": " + bad);
     }
-    if (!ott_head_find(pair.kbits, pair.vbits)) {
+    if (!ott_head_find(pair.kbits, pair.vbits, cfg.k_mix && pair.kbits == 3)) {
         throw std::runtime_error(std::string(pair.name) + ": this build has no kernels for " +
                                  std::to_string(pair.kbits) + "-bit keys with " + std::to_string(pair.vbits) +
                                  "-bit values");

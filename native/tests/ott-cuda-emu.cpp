@@ -24,9 +24,10 @@ std::atomic<long> n_calls{0};
 // the emulated kernels of the op's K/V widths (every pair the build has)
 const ott2_cu_ops * ops_of(const ggml_tensor * op) {
     const ggml_ott_params * p = ggml_ott_get_params(op);
-    const ott2_cu_ops * ops = ott2_emu_find(p->kbits, p->vbits);
+    const bool kmix = (p->flags & GGML_OTT_K_MIX) != 0;
+    const ott2_cu_ops * ops = ott2_emu_find(p->kbits, p->vbits, kmix);
     if (!ops) {
-        fprintf(stderr, "ott_cuda_emu: no kernels for K %d bits, V %d bits\n", p->kbits, p->vbits);
+        fprintf(stderr, "ott_cuda_emu: no kernels for K %d bits%s, V %d bits\n", p->kbits, kmix ? " mixed" : "", p->vbits);
         abort();
     }
     return ops;

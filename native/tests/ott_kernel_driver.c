@@ -61,6 +61,11 @@ static const void * take(reader * r, size_t n) {
 // IN:  int32 {D, pos0, outlier_num, aux_cap, n_pool, n_aux, tracing, 0}, gk, gv (G*D u16 each),
 //      pool: n_pool x {i32 pos, f32 score}, n_pool*D u16 K, n_pool*D u16 V; aux: the same with n_aux
 // OUT: int32 {n_won, n_pool, n_aux, tracing}, kq (D blocks), vq (G*D/Gv blocks), pool, aux (as in IN)
+// bytes of one head's sealed K group (k_mix: the channel blocks plus their 2-bit width table)
+static size_t kgroup_bytes(const ott_head_kernel * k, int D) {
+    return (size_t) D*k->k_block_bytes + (k->kmix ? (size_t) D/4 : 0);
+}
+
 static int head_seal(const ott_head_kernel * k, int vrot, const unsigned char * in, size_t n_in,
                      const char * out_path) {
     reader r = { in, in + n_in };
@@ -83,7 +88,7 @@ static int head_seal(const ott_head_kernel * k, int vrot, const unsigned char * 
     memcpy(am, take(&r, (size_t) n_aux*sizeof(ott_slot_meta)), (size_t) n_aux*sizeof(ott_slot_meta));
     memcpy(ak, take(&r, (size_t) n_aux*D*2), (size_t) n_aux*D*2);
     memcpy(av, take(&r, (size_t) n_aux*D*2), (size_t) n_aux*D*2);
-    const size_t kq_n = (size_t) D*k->k_block_bytes, vq_n = (size_t) G*(D/k->Gv)*k->v_block_bytes;
+    const size_t kq_n = kgroup_bytes(k, D), vq_n = (size_t) G*(D/k->Gv)*k->v_block_bytes;
     unsigned char * kq = malloc(kq_n), * vq = malloc(vq_n);
     const int n_won = k->seal(D, gk, gv, h[1], h[2], h[3], pm, pk, pv, &n_pool, am, ak, av, &n_aux, &tracing, vrot,
                               kq, vq);
@@ -116,7 +121,7 @@ static int head_attn(const ott_head_kernel * k, int vrot, const unsigned char * 
     memcpy(&scale, take(&r, 4), 4);
     const int D = h[0], G = k->G;
     const float * q = take(&r, (size_t) D*4);
-    const void * kq = take(&r, (size_t) h[2]*D*k->k_block_bytes);
+    const void * kq = take(&r, (size_t) h[2]*kgroup_bytes(k, D));
     const void * vq = take(&r, (size_t) h[2]*G*(D/k->Gv)*k->v_block_bytes);
     const int32_t * pp = take(&r, (size_t) h[3]*4);
     const uint16_t * pk = take(&r, (size_t) h[3]*D*2);
@@ -142,7 +147,7 @@ static int head_rows(const ott_head_kernel * k, int vrot, const unsigned char * 
     const int D = h[0], n_rows = h[1], n_sealed = h[2], n_pooled = h[3], n_tail = h[4], G = k->G;
     const float * q = take(&r, (size_t) n_rows*D*4);
     const int32_t * q_pos = take(&r, (size_t) n_rows*4);
-    const size_t kbytes = (size_t) D*k->k_block_bytes, vbytes = (size_t) G*(D/k->Gv)*k->v_block_bytes;
+    const size_t kbytes = kgroup_bytes(k, D), vbytes = (size_t) G*(D/k->Gv)*k->v_block_bytes;
     const unsigned char * kq = take(&r, (size_t) n_sealed*kbytes);
     const unsigned char * vq = take(&r, (size_t) n_sealed*vbytes);
     const int32_t * pp = take(&r, (size_t) n_pooled*4);
@@ -192,17 +197,18 @@ static int head_rows(const ott_head_kernel * k, int vrot, const unsigned char * 
 
 static int head_main(int argc, char ** argv) {
     if (argc != 11) {
-        fprintf(stderr, "usage: %s head KBITS VBITS G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s head KBITS[m] VBITS G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
         return 2;
     }
     const int kbits = atoi(argv[2]), vbits = atoi(argv[3]), G = atoi(argv[4]), Gv = atoi(argv[5]);
+    const int kmix = strchr(argv[2], 'm') != NULL; // "3m": K widths per channel
     const int vrot = atoi(argv[7]) != 0;
     int nk = 0;
     const ott_head_kernel * table = ott_head_kernels(&nk);
     const ott_head_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
         if (table[i].kbits == kbits && table[i].vbits == vbits && table[i].G == G && table[i].Gv == Gv &&
-            strcmp(table[i].isa, argv[6]) == 0) {
+            table[i].kmix == kmix && strcmp(table[i].isa, argv[6]) == 0) {
             k = &table[i];
         }
     }
