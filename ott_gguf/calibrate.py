@@ -157,7 +157,7 @@ def ott_layers(model: Path, kv_type: str) -> list[int]:
 def calibrate(
     model: Path,
     kv_type: str = "ott3/ott2",
-    up: str = "4/3",
+    up: str = "3/3",  # with k_mix, 3-bit values pay more than a 4th key bit (docs/tiers.md)
     down: str = "2/2",
     n_blocks: int = 6,
     chunks: int = 2,

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("calibrate", help="choose K/V code widths per layer for a model at the bytes of a K/V pair")
     k.add_argument("model", help="GGUF path or a known model name")
     _add_kv_type_args(k, "ott3/ott2")
-    k.add_argument("--up", default="4/3", help="K/V bits of a widened block (default 4/3)")
+    k.add_argument("--up", default="3/3", help="K/V bits of a widened block (default 3/3)")
     k.add_argument("--down", default="2/2", help="K/V bits of a narrowed block (default 2/2)")
     k.add_argument("--blocks", type=int, default=6, help="contiguous blocks of layers (default 6)")
     k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
