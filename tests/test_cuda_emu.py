@@ -150,6 +150,25 @@ def test_emulated_cuda_ops_match_reference(emu: OpsLib, case: tuple) -> None:
     run_scenario(emu, case)
 
 
+def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCache, cfg: ref.OttConfig,
+                        rng: np.random.Generator, k: np.ndarray, v: np.ndarray, n_head: int) -> None:  # fmt: skip
+    """Stream 0, head 0: all but 3 tokens as one ubatch, then 1 and 2 (decode with 8 slices); attention and the
+    whole state against the reference after each."""
+    n, D = k.shape
+    scale = 1.0 / math.sqrt(D)
+    start = 0
+    for m in (n - 3, 1, 2):
+        q = (rng.standard_normal((1, m, n_head, D)) * 0.5).astype(np.float32)
+        kk, vv = k[None, start : start + m, None], v[None, start : start + m, None]
+        got = st.step(lib, tag, [0], q, kk, vv, NS=8 if m == 1 else 1)
+        want = cache.process_ubatch(0, 0, q[0], kk[0], vv[0], np.arange(start, start + m), scale, int8_query=True)
+        assert want is not None
+        vmax = float(np.abs(cache.state(0, 0, 0).served()[2]).max())
+        np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
+        start += m
+        check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+
+
 def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     """v_rotate with a token whose rotated values overflow the fp16 scale: that unit alone is stored unrotated
     (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
@@ -163,18 +182,7 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     k, v = keys_values(rng, n, D)
     v[5, :64] = 60000.0  # unit 0 of token 5: rotated, 8 x 60000 does not fit fp16, even clipped
     v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
-    scale = 1.0 / math.sqrt(D)
-    start = 0
-    for m in (n - 3, 1, 2):
-        q = (rng.standard_normal((1, m, n_head, D)) * 0.5).astype(np.float32)
-        kk, vv = k[None, start : start + m, None], v[None, start : start + m, None]
-        got = st.step(emu, head_tag(kbits, vbits, G, Gv), [0], q, kk, vv, NS=8 if m == 1 else 1)
-        want = cache.process_ubatch(0, 0, q[0], kk[0], vv[0], np.arange(start, start + m), scale, int8_query=True)
-        assert want is not None
-        vmax = float(np.abs(cache.state(0, 0, 0).served()[2]).max())
-        np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
-        start += m
-        check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+    one_stream_lockstep(emu, head_tag(kbits, vbits, G, Gv), st, cache, cfg, rng, k, v, n_head)
     groups = cache.state(0, 0, 0).groups
     assert len(groups) == 2
     flags = np.signbit(groups[0].v_scale)  # (G, D/Gv): one block per unit here
@@ -198,19 +206,7 @@ def test_emulated_mixed_key_widths_break_ties_to_the_lower_channel(emu: OpsLib) 
     k[:, 20], k[:, 50] = -k[:, 40], k[:, 40]
     const = 2 * np.arange(12, 31) + 1  # 19 constant channels (criterion 0) at ranks 45..63
     k[:, const] = np.float32(0.25)
-    scale = 1.0 / math.sqrt(D)
-    tag = head_tag(3, 2, cfg.G, cfg.Gv, True)
-    start = 0
-    for m in (n - 3, 1, 2):
-        q = (rng.standard_normal((1, m, n_head, D)) * 0.5).astype(np.float32)
-        kk, vv = k[None, start : start + m, None], v[None, start : start + m, None]
-        got = st.step(emu, tag, [0], q, kk, vv, NS=8 if m == 1 else 1)
-        want = cache.process_ubatch(0, 0, q[0], kk[0], vv[0], np.arange(start, start + m), scale, int8_query=True)
-        assert want is not None
-        vmax = float(np.abs(cache.state(0, 0, 0).served()[2]).max())
-        np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
-        start += m
-        check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+    one_stream_lockstep(emu, head_tag(3, 2, cfg.G, cfg.Gv, True), st, cache, cfg, rng, k, v, n_head)
     groups = cache.state(0, 0, 0).groups
     assert len(groups) == 2
     for g in groups:
