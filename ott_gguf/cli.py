@@ -101,7 +101,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     kv_type = _kv_types(args)
     path = _model_path(args.model)
     cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
-                    n_ctx=args.n_ctx, threads=args.threads, log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                    n_ctx=args.n_ctx, threads=args.threads, budget=args.budget,
+                    log=lambda line: print(line, file=sys.stderr))  # fmt: skip
     print(cal.report())
     if cal.spec:
         print(f"use: -ctk {kv_type.split('/')[0]} -ctv {kv_type.split('/')[-1]} --ott-layers {cal.spec}  (Python: "
@@ -324,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_kv_type_args(k, "ott3/ott2")
     k.add_argument("--up", default="3/3", help="K/V bits of a widened block (default 3/3)")
     k.add_argument("--down", default="2/2", help="K/V bits of a narrowed block (default 2/2)")
-    k.add_argument("--blocks", type=int, default=6, help="contiguous blocks of layers (default 6)")
+    k.add_argument("--blocks", type=int, default=10, help="contiguous blocks of layers (default 10)")
+    k.add_argument("--budget", type=float, default=1.0,
+                   help="code bits allowed, as a fraction of the base pair's (default 1: a cache no larger; "
+                        "e.g. 0.99 for a smaller one)")  # fmt: skip
     k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
     k.add_argument("--n-ctx", type=int, default=2048, help="tokens per chunk (default 2048)")
     k.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads")

@@ -5,6 +5,7 @@ refuses by layer, on SmolLM2 and Gemma 3."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import re
 import subprocess
 from pathlib import Path
@@ -203,6 +204,49 @@ def test_best_plan_widens_what_gains_most_and_pays_with_what_loses_least() -> No
     assert best_plan(dear, 0.05, (3, 2), (4, 3), (2, 2)).choice == ("base",) * 4
 
 
+def _exhaustive(blocks: list[Block], base_kld: float, budget: float) -> float:
+    """The lowest predicted KLD over every assignment within budget x the base pair's code bits (3/2 base,
+    3/3 up, 2/2 down), by brute force."""
+    cost = {"base": 5, "up": 6, "down": 4}
+    limit = int(budget * 5 * sum(len(b.layers) for b in blocks) + 1e-9)
+    best = float("inf")
+    for choice in itertools.product(("base", "up", "down"), repeat=len(blocks)):
+        if sum(cost[c] * len(b.layers) for b, c in zip(blocks, choice, strict=True)) > limit:
+            continue
+        kld = base_kld + sum(-b.up_gain if c == "up" else b.down_loss if c == "down" else 0.0
+                             for b, c in zip(blocks, choice, strict=True))  # fmt: skip
+        best = min(best, kld)
+    return best
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.97, 1.05])
+def test_best_plan_is_the_exhaustive_optimum(budget: float) -> None:
+    """The dynamic programme finds the assignment brute force finds, at the base pair's bytes and under a tighter
+    or looser budget, on random blocks of uneven sizes; a tighter budget spends fewer code bits than the base."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        n = int(rng.integers(1, 7))
+        sizes = rng.integers(1, 4, n)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        blocks = [Block(tuple(range(int(s), int(s + z))), float(rng.uniform(-0.002, 0.01)),
+                        float(rng.uniform(-0.001, 0.03))) for s, z in zip(starts, sizes, strict=True)]  # fmt: skip
+        plan = best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), budget)
+        want = _exhaustive(blocks, 0.05, budget)
+        if budget >= 1.0:
+            want = min(want, 0.05)
+        assert plan.predicted_kld == pytest.approx(want, abs=1e-12)
+        assert plan.code_bits <= int(budget * 5 * int(sizes.sum()) + 1e-9)
+
+
+def test_best_plan_under_a_tighter_budget_narrows_the_cheapest_block() -> None:
+    blocks = [Block((0, 1, 2), 0.0, 0.004), Block((3, 4, 5), 0.0, 0.001), Block((6, 7, 8), 0.0, 0.009)]
+    plan = best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), budget=0.95)
+    assert plan.choice == ("base", "down", "base")
+    assert plan.predicted_kld == pytest.approx(0.051)
+    with pytest.raises(ValueError, match="no assignment fits"):
+        best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), budget=0.7)
+
+
 def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Small but real: 2 blocks, one 512-token chunk of calibration text; the report covers every layer, and a
     chosen spec measured below the base pair at no more code bits."""
@@ -220,9 +264,15 @@ def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixtu
     else:
         assert "chosen: the base pair everywhere" in out
     assert err.count("mean KLD") >= 5  # base, each block widened and narrowed
+    # the cache's own bytes at 8k: ott3/ott2 with its fp16 tail and pools; widths within the base's code bits
+    bits = re.search(r"bits per K/V element at 8192 tokens .*: base pair ([0-9.]+), chosen ([0-9.]+)", out)
+    assert bits, out
+    assert 3.0 < float(bits.group(1)) < 3.4 and float(bits.group(2)) <= float(bits.group(1)) + 0.01
 
 
 def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
+    with pytest.raises(ValueError, match="budget is a fraction"):
+        calibrate(smollm2, kv_type="ott3/ott2", budget=0.1)
     with pytest.raises(ValueError, match="not 'q8_0'"):
         calibrate(smollm2, kv_type="q8_0")
     with pytest.raises(ValueError, match="up .* must hold more code bits"):
