@@ -85,16 +85,24 @@ class Plan:
 
 
 def best_plan(
-    blocks: Sequence[Block], base_kld: float, base: Widths, up: Widths, down: Widths, budget: float = 1.0
+    blocks: Sequence[Block],
+    base_kld: float,
+    base: Widths,
+    up: Widths,
+    down: Widths,
+    budget: float = 1.0,
+    limit: int | None = None,
 ) -> Plan:
     """The assignment of base/up/down to the blocks with the lowest KLD predicted from the per-block effects, among
-    those whose code bits (sum over layers of K + V bits) are at most `budget` times the base pair's; all-base when
-    none is better (and within the budget).
+    those whose code bits (sum over layers of K + V bits) are at most `budget` times the base pair's (or at most
+    `limit` code bits, when given); all-base when none is better and the base pair fits.
 
     The effects add up, so this is a knapsack over the code bits: dynamic programming over the blocks, keyed by
     the code bits spent so far (exact, and fast for one block per layer)."""
     cost = {"base": sum(base), "up": sum(up), "down": sum(down)}
-    limit = int(budget * sum(cost["base"] * len(b.layers) for b in blocks) + 1e-9)
+    base_bits = sum(cost["base"] * len(b.layers) for b in blocks)
+    if limit is None:
+        limit = int(budget * base_bits + 1e-9)
     # code bits spent -> (predicted KLD, choices); ties keep the assignment found first (fewer changes)
     states: dict[int, tuple[float, tuple[str, ...]]] = {0: (base_kld, ())}
     for b in blocks:
@@ -108,12 +116,11 @@ def best_plan(
         states = nxt
     fits = sorted((kld, bits, choice) for bits, (kld, choice) in states.items() if bits <= limit)
     if not fits:
-        raise ValueError(f"no assignment fits {budget:g}x the base pair's code bits (narrowing every block holds "
-                         f"{min(states)} of {limit})")  # fmt: skip
-    everywhere = ("base",) * len(blocks)
+        raise ValueError(f"no assignment fits {limit} code bits (the base pair's: {base_bits}; narrowing every "
+                         f"block: {min(states)})")  # fmt: skip
     kld, bits, choice = fits[0]
-    if budget >= 1.0 and kld >= base_kld - 1e-12:
-        return Plan(everywhere, base_kld, sum(cost["base"] * len(b.layers) for b in blocks))
+    if base_bits <= limit and kld >= base_kld - 1e-12:
+        return Plan(("base",) * len(blocks), base_kld, base_bits)
     return Plan(choice, kld, bits)
 
 
@@ -130,6 +137,7 @@ class Calibration:
     spec: str  # the layer_widths chosen ("" : the base pair everywhere)
     measured_kld: float  # of spec on the calibration text (base_kld when spec is "")
     budget: float = 1.0  # code bits allowed, as a fraction of the base pair's
+    max_bits: float | None = None  # or: bits per element at BITS_CTX allowed
     bits: tuple[float, float] | None = None  # bits per element at BITS_CTX tokens: base pair, chosen widths
     commands: list[str] = field(default_factory=list)
 
@@ -142,6 +150,8 @@ class Calibration:
             span = f"{b.layers[0]}-{b.layers[-1]}" if len(b.layers) > 1 else str(b.layers[0])
             lines.append(f"| {span} | {b.up_gain:+.4f} | {b.down_loss:+.4f} | {c} |")
         room = "no more bytes" if self.budget == 1.0 else f"at most {self.budget:g}x the base pair's code bits"
+        if self.max_bits is not None:
+            room = f"at most {self.max_bits:g} bits per element at {BITS_CTX} tokens"
         if self.spec:
             lines.append(f"chosen: --ott-layers {self.spec} (predicted KLD {self.plan.predicted_kld:.4f}, measured "
                          f"{self.measured_kld:.4f}: {self.measured_kld / self.base_kld:.2f}x the base pair, "
@@ -185,6 +195,7 @@ def calibrate(
     n_ctx: int = 2048,
     threads: int = 2,
     budget: float = 1.0,
+    max_bits: float | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     from ._lib import bin_path
@@ -199,6 +210,10 @@ def calibrate(
         raise ValueError(f"blocks must be at least 1, got {n_blocks}")
     if not (0.5 <= budget <= 2.0):
         raise ValueError(f"budget is a fraction of the base pair's code bits in [0.5, 2], got {budget:g}")
+    if max_bits is not None and budget != 1.0:
+        raise ValueError("give either a budget (a fraction of the base pair's code bits) or max_bits, not both")
+    if max_bits is not None and not (0.5 <= max_bits <= 16.0):
+        raise ValueError(f"max_bits is bits per K/V element in [0.5, 16], got {max_bits:g}")
     layers = ott_layers(model, kv_type)
     n_blocks = min(n_blocks, len(layers))
     # contiguous blocks of nearly equal size
@@ -238,20 +253,61 @@ def calibrate(
             gain = base_kld - kld(dict.fromkeys(g, w_up), f"{span} at {up}")
             loss = kld(dict.fromkeys(g, w_down), f"{span} at {down}") - base_kld
             blocks.append(Block(g, gain, loss))
-        plan = best_plan(blocks, base_kld, base, w_up, w_down, budget)
+        if max_bits is None:
+            plan = best_plan(blocks, base_kld, base, w_up, w_down, budget)
+        else:
+            plan = plan_within_bits(model, k, v, blocks, base_kld, base, w_up, w_down, max_bits, log)
         spec = plan.spec(blocks, base, w_up, w_down)
         measured = base_kld
         if spec:
             from .kv_types import parse_layer_widths
 
             measured = kld(parse_layer_widths(spec), f"chosen {spec}")
-            # within the base pair's bytes a plan must beat it; under a tighter budget the base pair does not fit
-            if measured >= base_kld and budget >= 1.0:
+            # a plan must beat the base pair where the base pair fits; under a tighter budget it does not
+            base_fits = budget >= 1.0 if max_bits is None else cache_bits(model, k, v, "") <= max_bits
+            if measured >= base_kld and base_fits:
                 log(f"  the chosen widths measure {measured:.4f}, not below the base pair's: keeping the base pair")
                 spec, measured = "", base_kld
     bits = (cache_bits(model, k, v, ""), cache_bits(model, k, v, spec))
-    return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget, bits,
-                       commands)  # fmt: skip
+    return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget,
+                       max_bits, bits, commands)  # fmt: skip
+
+
+def plan_within_bits(
+    model: Path,
+    k: str,
+    v: str,
+    blocks: Sequence[Block],
+    base_kld: float,
+    base: Widths,
+    up: Widths,
+    down: Widths,
+    max_bits: float,
+    log: Callable[[str], None] = print,
+) -> Plan:
+    """The best plan whose cache takes at most max_bits per element at BITS_CTX tokens, by the caches' own bytes.
+
+    Bytes grow with the code bits at a rate measured from the base pair and every block widened; the plan for the
+    code bits that rate allows is then checked against the cache itself, and the allowance lowered one code bit
+    at a time until it fits (the rate is not exact: a 3-bit key layer narrowed to 2 bits also drops its k_mix
+    width table)."""
+    n_layers = sum(len(b.layers) for b in blocks)
+    base_code = sum(base) * n_layers
+    all_up = format_layer_widths({il: up for b in blocks for il in b.layers})
+    b0, b_up = cache_bits(model, k, v, ""), cache_bits(model, k, v, all_up)
+    rate = (b_up - b0) / ((sum(up) - sum(base)) * n_layers)  # bits per element per code bit
+    limit = base_code + int((max_bits - b0) / rate + 1e-9) if rate > 0 else base_code
+    floor = sum(down) * n_layers
+    while limit >= floor:
+        plan = best_plan(blocks, base_kld, base, up, down, limit=limit)
+        spec = plan.spec(blocks, base, up, down)
+        bits = cache_bits(model, k, v, spec)
+        if bits <= max_bits + 1e-9:
+            return plan
+        log(f"  {spec or 'the base pair'}: {bits:.3f} bits per element, over {max_bits:g}: one code bit less")
+        limit -= 1
+    raise ValueError(f"no widths of the blocks fit {max_bits:g} bits per element at {BITS_CTX} tokens (the base "
+                     f"pair takes {b0:.3f})")  # fmt: skip
 
 
 def cache_bits(model: Path, k: str, v: str, layer_widths: str, n_ctx: int = BITS_CTX) -> float:

@@ -101,7 +101,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     kv_type = _kv_types(args)
     path = _model_path(args.model)
     cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
-                    n_ctx=args.n_ctx, threads=args.threads, budget=args.budget,
+                    n_ctx=args.n_ctx, threads=args.threads, budget=args.budget, max_bits=args.max_bits,
                     log=lambda line: print(line, file=sys.stderr))  # fmt: skip
     print(cal.report())
     if cal.spec:
@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--budget", type=float, default=1.0,
                    help="code bits allowed, as a fraction of the base pair's (default 1: a cache no larger; "
                         "e.g. 0.99 for a smaller one)")  # fmt: skip
+    k.add_argument("--max-bits", type=float, default=None,
+                   help="or: bits per K/V element allowed at 8k tokens, by the caches' bytes (e.g. 3.2)")  # fmt: skip
     k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
     k.add_argument("--n-ctx", type=int, default=2048, help="tokens per chunk (default 2048)")
     k.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ott_gguf import Llama, OttConfig, _lib
-from ott_gguf.calibrate import Block, best_plan, calibrate
+from ott_gguf.calibrate import Block, best_plan, cache_bits, calibrate, plan_within_bits
 from ott_gguf.kv_types import parse_layer_widths
 from ott_gguf.reference import OttCache, effective_bits
 from ott_gguf.server import server_command
@@ -247,6 +247,28 @@ def test_best_plan_under_a_tighter_budget_narrows_the_cheapest_block() -> None:
         best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), budget=0.7)
 
 
+def test_best_plan_with_a_limit_in_code_bits() -> None:
+    """A limit in code bits replaces the budget: above the base pair's it can widen more blocks than it narrows."""
+    blocks = [Block((0, 1), 0.004, 0.002), Block((2, 3), 0.003, 0.010), Block((4, 5), 0.001, 0.020)]
+    assert best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), limit=30 + 2).choice == ("up", "base", "base")
+    assert best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), limit=30 + 4).choice == ("up", "up", "base")
+    assert best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), limit=30 - 2).choice == ("down", "base", "base")
+
+
+def test_plan_within_bits_fits_the_caches_own_bytes(smollm2: Path) -> None:
+    """SmolLM2 ott3/ott2 takes 3.221 bits per element at 8k: with max_bits 3.2 the plan's cache (measured, not
+    predicted) fits, and spends more than the code bits of budget 0.98; a limit below every narrowing is refused."""
+    blocks = [Block(tuple(range(i, i + 3)), 0.004 - 0.0003 * i, 0.001 + 0.0002 * i) for i in range(0, 30, 3)]
+    plan = plan_within_bits(smollm2, "ott3", "ott2", blocks, 0.04, (3, 2), (3, 3), (2, 2), 3.2, log=lambda _: None)
+    spec = plan.spec(blocks, (3, 2), (3, 3), (2, 2))
+    assert spec and cache_bits(smollm2, "ott3", "ott2", spec) <= 3.2
+    assert cache_bits(smollm2, "ott3", "ott2", "") > 3.2
+    tight = best_plan(blocks, 0.04, (3, 2), (3, 3), (2, 2), budget=0.98)
+    assert plan.code_bits >= tight.code_bits and plan.predicted_kld <= tight.predicted_kld
+    with pytest.raises(ValueError, match="no widths of the blocks fit 2 bits"):
+        plan_within_bits(smollm2, "ott3", "ott2", blocks, 0.04, (3, 2), (3, 3), (2, 2), 2.0, log=lambda _: None)
+
+
 def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Small but real: 2 blocks, one 512-token chunk of calibration text; the report covers every layer, and a
     chosen spec measured below the base pair at no more code bits."""
@@ -273,6 +295,10 @@ def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixtu
 def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
     with pytest.raises(ValueError, match="budget is a fraction"):
         calibrate(smollm2, kv_type="ott3/ott2", budget=0.1)
+    with pytest.raises(ValueError, match="either a budget .* or max_bits"):
+        calibrate(smollm2, kv_type="ott3/ott2", budget=0.99, max_bits=3.2)
+    with pytest.raises(ValueError, match="max_bits is bits per K/V element"):
+        calibrate(smollm2, kv_type="ott3/ott2", max_bits=0.1)
     with pytest.raises(ValueError, match="not 'q8_0'"):
         calibrate(smollm2, kv_type="q8_0")
     with pytest.raises(ValueError, match="up .* must hold more code bits"):
