@@ -310,9 +310,17 @@ def plan_within_bits(
                      f"pair takes {b0:.3f})")  # fmt: skip
 
 
-def cache_bits(model: Path, k: str, v: str, layer_widths: str, n_ctx: int = BITS_CTX) -> float:
+def cache_bits(
+    model: Path,
+    k: str,
+    v: str,
+    layer_widths: str = "",
+    n_ctx: int = BITS_CTX,
+    ott_config: dict[str, object] | None = None,
+) -> float:
     """Bits per K/V element of the cache a context of n_ctx tokens allocates (fp16 tail, pools and any f16 window
-    layers included), over the K and V elements of n_ctx tokens in every layer."""
+    layers included), over the K and V elements of n_ctx tokens in every layer. ott_config: Llama's, for the ott
+    types (layer_widths goes into it)."""
     from . import _lib
     from .info import model_info
     from .llama import Llama
@@ -320,8 +328,11 @@ def cache_bits(model: Path, k: str, v: str, layer_widths: str, n_ctx: int = BITS
     info = model_info(model)
     if info.n_head_kv is None:
         raise ValueError(f"{model}: per-layer KV head counts: bits per element are not computed for this model")
-    llm = Llama(str(model), type_k=k, type_v=v, ott_config={"layer_widths": layer_widths}, n_ctx=n_ctx, n_batch=32,
-                n_ubatch=32, swa_full=False, verbose=False)  # fmt: skip
+    config = dict(ott_config or {})
+    if layer_widths:
+        config["layer_widths"] = layer_widths
+    llm = Llama(str(model), type_k=k, type_v=v, ott_config=config or None, n_ctx=n_ctx, n_batch=32, n_ubatch=32,
+                swa_full=False, verbose=False)  # fmt: skip
     try:
         nbytes = _lib.kv_cache_bytes(llm._ctx.ctx)
     finally:

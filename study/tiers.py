@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ott_gguf import _lib, models
+from ott_gguf import models
 from ott_gguf._lib import bin_path
+from ott_gguf.calibrate import cache_bits
 from ott_gguf.corpus import docs_text
-from ott_gguf.info import model_info
-from ott_gguf.llama import Llama
 
 from .benchmarks import TEXT_BYTES, perplexity_numbers
 
@@ -98,17 +97,7 @@ class Row:
 
 def bits_per_element(path: Path, tier: Tier, n_ctx: int) -> float:
     """The cache's allocated bytes for n_ctx tokens over the K/V elements those tokens have (every layer)."""
-    info = model_info(path)
-    if info.n_head_kv is None:
-        raise ValueError(f"{path}: per-layer KV head counts are not supported by this study")
-    llm = Llama(str(path), type_k=tier.k, type_v=tier.v, ott_config=tier.ott_config(), n_ctx=n_ctx, n_batch=32,
-                n_ubatch=32, swa_full=False, verbose=False)  # fmt: skip
-    try:
-        nbytes = _lib.kv_cache_bytes(llm._ctx.ctx)
-    finally:
-        llm.close()
-    elements = n_ctx * info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v)
-    return 8.0 * nbytes / elements
+    return cache_bits(path, tier.k, tier.v, n_ctx=n_ctx, ott_config=tier.ott_config())
 
 
 def measure(path: Path, threads: int, chunks: int, log: list[str], tiers: Sequence[Tier] = TIERS) -> list[Row]:
