@@ -10,7 +10,7 @@ per model on calibration text:
 3. Among the assignments of {base, up, down} to the blocks whose code bits are at most `budget` times the base
    pair's (1: a cache no larger), the one with the lowest KLD predicted from the measured effects, summed (blocks
    are assumed to act independently), is measured as a whole; at budget 1 it is kept only if it beats the base
-   pair.
+   pair. `max_bits` bounds the bits per element at 8k instead, checked on the cache's own bytes.
 
 The calibration text is the pinned llama.cpp docs from byte CALIB_OFFSET on, disjoint from the first 200,000
 bytes that `ott-gguf eval` and the studies measure on.
@@ -214,6 +214,12 @@ def calibrate(
         raise ValueError("give either a budget (a fraction of the base pair's code bits) or max_bits, not both")
     if max_bits is not None and not (0.5 <= max_bits <= 16.0):
         raise ValueError(f"max_bits is bits per K/V element in [0.5, 16], got {max_bits:g}")
+    from .info import model_info
+
+    # bits per element need one KV head count for every layer (cache_bits)
+    bits_known = model_info(model).n_head_kv is not None
+    if max_bits is not None and not bits_known:
+        raise ValueError(f"{model}: per-layer KV head counts: max_bits cannot be checked for this model; use budget")
     layers = ott_layers(model, kv_type)
     n_blocks = min(n_blocks, len(layers))
     # contiguous blocks of nearly equal size
@@ -268,7 +274,7 @@ def calibrate(
             if measured >= base_kld and base_fits:
                 log(f"  the chosen widths measure {measured:.4f}, not below the base pair's: keeping the base pair")
                 spec, measured = "", base_kld
-    bits = (cache_bits(model, k, v, ""), cache_bits(model, k, v, spec))
+    bits = (cache_bits(model, k, v, ""), cache_bits(model, k, v, spec)) if bits_known else None
     return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget,
                        max_bits, bits, commands)  # fmt: skip
 
