@@ -197,18 +197,19 @@ static int head_rows(const ott_head_kernel * k, int vrot, const unsigned char * 
 
 static int head_main(int argc, char ** argv) {
     if (argc != 11) {
-        fprintf(stderr, "usage: %s head KBITS[m] VBITS G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s head KBITS[m] VBITS[s] G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
         return 2;
     }
     const int kbits = atoi(argv[2]), vbits = atoi(argv[3]), G = atoi(argv[4]), Gv = atoi(argv[5]);
     const int kmix = strchr(argv[2], 'm') != NULL; // "3m": K widths per channel
+    const int vsym = strchr(argv[3], 's') != NULL; // "2s": symmetric V blocks
     const int vrot = atoi(argv[7]) != 0;
     int nk = 0;
     const ott_head_kernel * table = ott_head_kernels(&nk);
     const ott_head_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
         if (table[i].kbits == kbits && table[i].vbits == vbits && table[i].G == G && table[i].Gv == Gv &&
-            table[i].kmix == kmix && strcmp(table[i].isa, argv[6]) == 0) {
+            table[i].kmix == kmix && table[i].vsym == vsym && strcmp(table[i].isa, argv[6]) == 0) {
             k = &table[i];
         }
     }
@@ -251,7 +252,7 @@ int main(int argc, char ** argv) {
     const ott_kernel * table = ott_kernels(&nk);
     const ott_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
-        if (table[i].bits == bits && table[i].group == group && table[i].clip == 64 && strcmp(table[i].isa, argv[3]) == 0) {
+        if (table[i].bits == bits && table[i].group == group && table[i].clip == 64 && !table[i].sym && strcmp(table[i].isa, argv[3]) == 0) {
             k = &table[i];
         }
     }
