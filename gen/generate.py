@@ -93,7 +93,9 @@ class Config:
 
     @property
     def tag(self) -> str:
-        return f"b{self.bits}{'s' if self.sym else ''}g{self.group}" + (f"c{self.clip}" if self.clip != CLIP_ONE else "")
+        return f"b{self.bits}{'s' if self.sym else ''}g{self.group}" + (
+            f"c{self.clip}" if self.clip != CLIP_ONE else ""
+        )
 
     @property
     def clip_scale(self) -> str:
@@ -342,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
     ap.add_argument(
-        "--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64,3m/2s:128:64,2/2s:64:32", help="cuda: K/V:G:Gv head configs"
+        "--cuda-heads",
+        default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64,3m/2s:128:64,2/2s:64:32",
+        help="cuda: K/V:G:Gv head configs",
     )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")

@@ -83,8 +83,8 @@ def loaded_library_path() -> str:
 
 
 class LlamaOttConfig(ctypes.Structure):
-    """struct llama_ott_config: int32 fields (v_rotate, k_mix, v_sym 0 or 1), then layer_widths, one byte per layer (0: the
-    K/V types' widths, else K bits * 16 + V bits)."""
+    """struct llama_ott_config: int32 fields (v_rotate, k_mix, v_sym 0 or 1), then layer_widths, one byte per layer
+    (0: the K/V types' widths, else K bits * 16 + V bits)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS] + [
         ("layer_widths", ctypes.c_uint8 * MAX_LAYERS)

@@ -109,7 +109,9 @@ class OttConfig:
             # a group must keep at least one non-outlier token to define the placeholder mean
             raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")
         if self.v_sym and not self.v_rotate:
-            raise ValueError("ott_config.v_sym needs v_rotate (symmetric blocks suit rotated values, which are centred)")
+            raise ValueError(
+                "ott_config.v_sym needs v_rotate (symmetric blocks suit rotated values, which are centred)"
+            )
         if self.v_sym and self.Gv not in (32, 64, 128, 256):
             raise ValueError(f"ott_config.v_sym needs Gv in 32, 64, 128 or 256, got {self.Gv}")
         if self.k_mix and self.k_rotate:
@@ -221,7 +223,9 @@ class OttConfig:
         from .quantizer import CLIP_ONE, V_ROT_CLIP64, V_SYM_CLIP64, BlockFormat
 
         if self.v_symmetric:
-            return BlockFormat(self.vbits, self.Gv, V_SYM_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE, True)
+            return BlockFormat(
+                self.vbits, self.Gv, V_SYM_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE, True
+            )
         return BlockFormat(self.vbits, self.Gv, V_ROT_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE)
 
 

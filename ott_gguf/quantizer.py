@@ -23,9 +23,9 @@ the levels centred on zero. With a = max(-min, max) + 0 of the group (max |x|, e
 and codes, reconstruction and dot products as above with that m. Rotated values are centred (their block mean is
 one of Gv coefficients), so the min costs 16 bits for little: +1-5% error for 0.25 bits per value less at 2 bits.
 
-Block layout (bytes): fp16 d, fp16 m (absent in symmetric blocks), then the code planes. Codes of `bits` bits are split into planes of
-2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided: element j is
-in byte j % nbytes at bit w * (j // nbytes).
+Block layout (bytes): fp16 d, fp16 m (absent in symmetric blocks), then the code planes. Codes of `bits` bits are
+split into planes of 2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided:
+element j is in byte j % nbytes at bit w * (j // nbytes).
 """
 
 from __future__ import annotations

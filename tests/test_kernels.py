@@ -168,7 +168,9 @@ def test_symmetric_blocks_are_bit_exact(bits: int, group: int, clip: int, isa: s
     got = ks.quantize(x)
     want = Q.pack(Q.quantize(x, fmt), fmt)
     bad = np.nonzero((got != want).any(axis=1))[0]
-    assert bad.size == 0, f"{isa} sym b{bits}g{group}c{clip}: blocks differ at {bad[:8]}: {got[bad[0]]} vs {want[bad[0]]}"
+    assert bad.size == 0, (
+        f"{isa} sym b{bits}g{group}c{clip}: blocks differ at {bad[:8]}: {got[bad[0]]} vs {want[bad[0]]}"
+    )
     assert not np.signbit(Q.unpack(got, fmt).d).any()  # never -0: the sign bit is the rotation flag
     recon = Q.dequantize(Q.unpack(want, fmt)).reshape(-1)
     np.testing.assert_array_equal(ks.dequantize(want).view(np.uint32), recon.view(np.uint32))
