@@ -252,6 +252,12 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
         flipped[i] ^= 0x10  # bit flips inside the cache's body: refused, never loaded silently
     with pytest.raises(ValueError, match="the state is corrupt"):
         llm.load_state(altered(bytes(flipped)))
+    # a state of the previous format (6: before v_sym) is refused by its version, naming both
+    at = raw.index(b"OTT2")
+    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 7
+    old = raw[: at + 4] + (6).to_bytes(4, "little") + raw[at + 8 :]
+    with pytest.raises(ValueError, match="format version 6 \\(an earlier ott-gguf\\); this build reads version 7"):
+        llm.load_state(altered(old))
     # a refused load leaves a cache that still works: the good state loads and continues as before
     llm.load_state(state)
     assert greedy(llm, doc_tokens[450], 100) == first
