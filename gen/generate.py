@@ -53,6 +53,9 @@ V_ROT_CLIP64 = {
     (2, 128): 38, (3, 128): 51, (4, 128): 59,
     (2, 256): 35, (3, 256): 48, (4, 256): 57,
 }  # fmt: skip
+# symmetric rotated values (v_sym), by (width, Gv): sixty-fourths of max|x| (ott_gguf.quantizer.V_SYM_CLIP64)
+V_SYM_CLIP64 = {(2, 32): 41, (2, 64): 37, (2, 128): 34, (2, 256): 32}
+V_SYM_BITS = 2  # v_sym changes 2-bit values only (at 3 bits the min pays for itself: docs/v-blocks.md)
 # vector width in floats per ISA
 WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 4}
 Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
@@ -78,6 +81,7 @@ class Config:
     bits: int
     group: int
     clip: int = CLIP_ONE  # sixty-fourths of the group's range the codes span; the block layout does not depend on it
+    sym: bool = False  # one fp16 scale, no min: levels (k - nlev/2) d over [-a, a], a = max|x| (ott_arith.j2)
 
     def __post_init__(self) -> None:
         if self.bits not in PLANES:
@@ -89,7 +93,9 @@ class Config:
 
     @property
     def tag(self) -> str:
-        return f"b{self.bits}g{self.group}" + (f"c{self.clip}" if self.clip != CLIP_ONE else "")
+        return f"b{self.bits}{'s' if self.sym else ''}g{self.group}" + (
+            f"c{self.clip}" if self.clip != CLIP_ONE else ""
+        )
 
     @property
     def clip_scale(self) -> str:
@@ -115,7 +121,12 @@ class Config:
 
     @property
     def block_bytes(self) -> int:
-        return 4 + sum(p.nbytes for p in self.planes)
+        return (2 if self.sym else 4) + sum(p.nbytes for p in self.planes)
+
+    @property
+    def sym_half(self) -> str:
+        """-(nlev/2) as an exact C float literal: a symmetric block's min is this times its scale."""
+        return f"{-self.nlev / 2!r}f"
 
 
 @dataclass(frozen=True)
@@ -128,10 +139,13 @@ class HeadConfig:
     G: int
     Gv: int
     kmix: bool = False  # K widths per channel (K_MIX_BITS - 1 .. K_MIX_BITS + 1), chosen per sealed group
+    vsym: bool = False  # symmetric V blocks (one scale, no min), for rotated V_SYM_BITS-bit values
 
     def __post_init__(self) -> None:
         if self.kmix and self.kbits != K_MIX_BITS:
             raise ValueError(f"mixed K widths need {K_MIX_BITS}-bit keys, got {self.kbits}")
+        if self.vsym and (self.vbits, self.Gv) not in V_SYM_CLIP64:
+            raise ValueError(f"symmetric V blocks need {V_SYM_BITS}-bit values, got {self.vbits}")
 
     @property
     def k(self) -> Config:
@@ -152,21 +166,23 @@ class HeadConfig:
 
     @property
     def v(self) -> Config:
-        """V blocks stored unrotated (full range)."""
-        return Config(self.vbits, self.Gv)
+        """V blocks stored unrotated (full range; with vsym symmetric too, the units a rotation would overflow)."""
+        return Config(self.vbits, self.Gv, sym=self.vsym)
 
     @property
     def vr(self) -> Config:
         """V blocks of rotated units: the same layout, quantized to their clipped range."""
+        if self.vsym:
+            return Config(self.vbits, self.Gv, V_SYM_CLIP64[(self.vbits, self.Gv)], sym=True)
         return Config(self.vbits, self.Gv, V_ROT_CLIP64.get((self.vbits, self.Gv), CLIP_ONE))
 
     @property
     def tag(self) -> str:
-        return f"k{self.kbits}{'m' if self.kmix else ''}v{self.vbits}g{self.G}x{self.Gv}"
+        return f"k{self.kbits}{'m' if self.kmix else ''}v{self.vbits}{'s' if self.vsym else ''}g{self.G}x{self.Gv}"
 
     @property
     def spec(self) -> str:
-        return f"{self.kbits}{'m' if self.kmix else ''}/{self.vbits}:{self.G}:{self.Gv}"
+        return f"{self.kbits}{'m' if self.kmix else ''}/{self.vbits}{'s' if self.vsym else ''}:{self.G}:{self.Gv}"
 
     @property
     def int_chunk(self) -> int:
@@ -179,14 +195,17 @@ class HeadConfig:
 
 
 def parse_heads(text: str) -> list[HeadConfig]:
-    """'K/V:G:Gv' items (or 'B:G:Gv' for the same width on both sides; K as '3m': mixed widths), comma-separated."""
+    """'K/V:G:Gv' items (or 'B:G:Gv' for the same width on both sides; K as '3m': mixed widths; V as '2s':
+    symmetric blocks), comma-separated."""
     out = []
     for item in text.split(","):
         b, g, gv = item.strip().split(":")
         kb, _, vb = b.partition("/")
         mix = kb.endswith("m")
         kb = kb.removesuffix("m")
-        hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv), mix)
+        sym = vb.endswith("s")
+        vb = vb.removesuffix("s")
+        hc = HeadConfig(int(kb), int(vb or kb), int(g), int(gv), mix, sym)
         hc.k, hc.v, hc.vr  # noqa: B018 (validates the block formats)
         out.append(hc)
     return out
@@ -203,15 +222,16 @@ def with_head_formats(configs: list[Config], heads: list[HeadConfig]) -> list[Co
 
 
 def config_spec(c: Config) -> str:
-    """'bits:group', or 'bits:group:clip' for a clipped config (what parse_configs reads)."""
-    return f"{c.bits}:{c.group}" + (f":{c.clip}" if c.clip != CLIP_ONE else "")
+    """'bits:group', or 'bits:group:clip' for a clipped config, bits as '2s' for a symmetric one (what
+    parse_configs reads)."""
+    return f"{c.bits}{'s' if c.sym else ''}:{c.group}" + (f":{c.clip}" if c.clip != CLIP_ONE else "")
 
 
 def parse_configs(text: str) -> list[Config]:
     out = []
     for item in text.split(","):
         b, g, *c = item.strip().split(":")
-        out.append(Config(int(b), int(g), *(int(x) for x in c)))
+        out.append(Config(int(b.removesuffix("s")), int(g), *(int(x) for x in c), sym=b.endswith("s")))
     return out
 
 
@@ -249,10 +269,14 @@ WIDTHS = tuple(PLANES)  # code widths of the ott cache types (ott2, ott3, ott4),
 
 
 def build_heads(G: int, Gv: int) -> list[HeadConfig]:
-    """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on), and the
-    mixed-width keys (k_mix) with every V width."""
+    """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on), the
+    mixed-width keys (k_mix) with every V width, and every K format with symmetric 2-bit values (v_sym)."""
     plain = [HeadConfig(kb, vb, G, Gv) for kb in WIDTHS for vb in WIDTHS]
-    return plain + [HeadConfig(K_MIX_BITS, vb, G, Gv, True) for vb in WIDTHS]
+    mixed = [HeadConfig(K_MIX_BITS, vb, G, Gv, True) for vb in WIDTHS]
+    sym = [HeadConfig(kb, V_SYM_BITS, G, Gv, False, True) for kb in WIDTHS] + [
+        HeadConfig(K_MIX_BITS, V_SYM_BITS, G, Gv, True, True)
+    ]
+    return plain + mixed + sym
 
 
 def heads_param(heads: list[HeadConfig]) -> str:
@@ -315,11 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="2:32,2:64,2:128,3:64,4:64", help="kernels/cuda: bits:group list")
     ap.add_argument(
         "--heads",
-        default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64,3m/2:128:64,3m/4:64:32",
+        default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64,3m/2:128:64,3m/4:64:32,"
+        "2/2s:128:64,3m/2s:128:64,2/2s:64:32",
         help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
     ap.add_argument(
-        "--cuda-heads", default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64", help="cuda: K/V:G:Gv head configs"
+        "--cuda-heads",
+        default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64,3m/2s:128:64,2/2s:64:32",
+        help="cuda: K/V:G:Gv head configs",
     )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))
     ap.add_argument("--isa", default="scalar", help="flags target: print the compiler flags of an ISA")

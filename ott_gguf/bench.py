@@ -3,9 +3,9 @@
 `ott-gguf bench MODEL` runs `llama-bench -ctk K -ctv V -fa 1 -d DEPTHS -p P -n N -r 1 -o json` per cache type
 or "K/V" pair, in rounds: every type once per round, so a machine that slows down or speeds up during the run
 affects them alike; the median of the rounds is reported with their spread. ott2..ott4 and kivi2..kivi4 (the
-ott cache without outliers) are cache types like the stock ones; llama-bench takes no --ott-params, so the ott
-caches run the C defaults there. "pp" rows time P prompt tokens in one batch, "tg" rows N generated tokens one at
-a time, each after `depth` tokens already in the cache.
+ott cache without outliers) are cache types like the stock ones; they run the C defaults unless a configuration
+is given (`tiers`: llama-bench's --ott-params and --ott-layers). "pp" rows time P prompt tokens in one batch,
+"tg" rows N generated tokens one at a time, each after `depth` tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._lib import bin_path
-from .kv_types import kv_pair_name, resolve_kv_types
+from .kv_types import OttConfig, kv_pair_name, resolve_kv_types
+
+# a configured ott cache under a label of its own: label -> (K/V pair, its configuration)
+Tiers = dict[str, tuple[str, OttConfig]]
 
 __all__ = ["BenchRow", "bench", "bench_command", "parse_bench_json", "plot_bench"]
 
@@ -43,12 +46,21 @@ class BenchRow:
         return f"{self.test}{self.n_tokens} @ {self.depth}"
 
 
+def ott_args(cfg: OttConfig) -> list[str]:
+    """An ott cache's configuration as the bundled tools take it: --ott-params (and --ott-layers)."""
+    out = ["--ott-params", ",".join(str(x) for x in cfg.native())]
+    return out + (["--ott-layers", cfg.layer_widths] if cfg.layer_widths else [])
+
+
 def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
-                  threads: int | None, reps: int, n_gpu_layers: int | None = None) -> list[str]:  # fmt: skip
+                  threads: int | None, reps: int, n_gpu_layers: int | None = None,
+                  ott_config: OttConfig | None = None) -> list[str]:  # fmt: skip
     k, v = resolve_kv_types(kv_type)
     cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1",
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-o", "json"]  # fmt: skip
+    if ott_config is not None:
+        cmd += ott_args(ott_config)
     if threads is not None:
         cmd += ["-t", str(threads)]
     if n_gpu_layers is not None:
@@ -82,22 +94,26 @@ def bench(
     reps: int = 3,
     progress: Callable[[str], None] | None = None,
     n_gpu_layers: int | None = None,
+    tiers: Tiers | None = None,
 ) -> list[BenchRow]:
     """llama-bench for every cache type, `reps` rounds with the types interleaved (one llama-bench -r 1 per type and
-    round); rows in the order of kv_types, then as llama-bench reports them, each the median of its rounds."""
+    round); rows in the order of kv_types, then as llama-bench reports them, each the median of its rounds. An
+    entry of kv_types that `tiers` names runs its K/V pair with its configuration, its rows under that label."""
     from .info import require_ott_support
 
-    types = [kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
+    tiers = tiers or {}
+    types = [t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
     if not Path(model).is_file():
         raise FileNotFoundError(f"model file not found: {model}")
     if any(d < 0 for d in depths) or n_prompt < 0 or n_gen < 0 or reps < 1 or not (n_prompt or n_gen):
         raise ValueError("depths, -p and -n must be >= 0 (-p or -n above 0) and repetitions >= 1")
-    require_ott_support(model, types)  # llama-bench would only exit with a status
+    require_ott_support(model, [tiers[t][0] if t in tiers else t for t in types])  # llama-bench only exits
     samples: dict[tuple[str, str, int, int], list[float]] = {}
     for r in range(reps):
         for t in types:
-            cmd = bench_command(model, t, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=1,
-                                n_gpu_layers=n_gpu_layers)  # fmt: skip
+            pair, cfg = tiers.get(t, (t, None))
+            cmd = bench_command(model, pair, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=1,
+                                n_gpu_layers=n_gpu_layers, ott_config=cfg)  # fmt: skip
             if progress:
                 progress(f"round {r + 1}/{reps}, {t}: {' '.join(cmd)}")
             res = subprocess.run(cmd, capture_output=True, text=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .kv_types import OTT_KV_TYPES, format_layer_widths, kv_type_bits, resolve_kv_types
+from .kv_types import OTT_KV_TYPES, OttConfig, format_layer_widths, kv_type_bits, resolve_kv_types
 
 CALIB_OFFSET = 300_000  # bytes of the concatenated docs skipped: evaluation text stays out of calibration
 Widths = tuple[int, int]
@@ -196,6 +196,7 @@ def calibrate(
     threads: int = 2,
     budget: float = 1.0,
     max_bits: float | None = None,
+    ott_config: OttConfig | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     from ._lib import bin_path
@@ -214,6 +215,11 @@ def calibrate(
         raise ValueError("give either a budget (a fraction of the base pair's code bits) or max_bits, not both")
     if max_bits is not None and not (0.5 <= max_bits <= 16.0):
         raise ValueError(f"max_bits is bits per K/V element in [0.5, 16], got {max_bits:g}")
+    if ott_config is not None and ott_config.layer_widths:
+        raise ValueError("calibration chooses layer_widths itself: give an ott_config without them")
+    # the configuration's native fields (R, v_sym, ...) go to llama-perplexity and to the byte counts alike
+    native = {f: getattr(ott_config, f) for f in OttConfig.NATIVE_FIELDS} if ott_config else None
+    params = ["--ott-params", ",".join(str(x) for x in ott_config.native())] if ott_config else []
     from .info import model_info
 
     # bits per element need one KV head count for every layer (cache_bits)
@@ -231,7 +237,8 @@ def calibrate(
         text.write_text(calibration_text(chunks * n_ctx * 8))
         ref = Path(tmp) / "f16.kld"
         common = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(n_ctx),
-                  "-b", str(n_ctx), "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on"]  # fmt: skip
+                  "-b", str(n_ctx), "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on",
+                  *params]  # fmt: skip
 
         def run(args: list[str], what: str) -> dict[str, float] | None:
             cmd = [*common, *args]
@@ -262,7 +269,7 @@ def calibrate(
         if max_bits is None:
             plan = best_plan(blocks, base_kld, base, w_up, w_down, budget)
         else:
-            plan = plan_within_bits(model, k, v, blocks, base_kld, base, w_up, w_down, max_bits, log)
+            plan = plan_within_bits(model, k, v, blocks, base_kld, base, w_up, w_down, max_bits, log, native)
         spec = plan.spec(blocks, base, w_up, w_down)
         measured = base_kld
         if spec:
@@ -270,11 +277,17 @@ def calibrate(
 
             measured = kld(parse_layer_widths(spec), f"chosen {spec}")
             # a plan must beat the base pair where the base pair fits; under a tighter budget it does not
-            base_fits = budget >= 1.0 if max_bits is None else cache_bits(model, k, v, "") <= max_bits
+            base_fits = (
+                budget >= 1.0 if max_bits is None else cache_bits(model, k, v, "", ott_config=native) <= max_bits
+            )
             if measured >= base_kld and base_fits:
                 log(f"  the chosen widths measure {measured:.4f}, not below the base pair's: keeping the base pair")
                 spec, measured = "", base_kld
-    bits = (cache_bits(model, k, v, ""), cache_bits(model, k, v, spec)) if bits_known else None
+    bits = (
+        (cache_bits(model, k, v, "", ott_config=native), cache_bits(model, k, v, spec, ott_config=native))
+        if bits_known
+        else None
+    )
     return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget,
                        max_bits, bits, commands)  # fmt: skip
 
@@ -290,6 +303,7 @@ def plan_within_bits(
     down: Widths,
     max_bits: float,
     log: Callable[[str], None] = print,
+    ott_config: dict[str, object] | None = None,
 ) -> Plan:
     """The best plan whose cache takes at most max_bits per element at BITS_CTX tokens, by the caches' own bytes.
 
@@ -300,14 +314,17 @@ def plan_within_bits(
     n_layers = sum(len(b.layers) for b in blocks)
     base_code = sum(base) * n_layers
     all_up = format_layer_widths({il: up for b in blocks for il in b.layers})
-    b0, b_up = cache_bits(model, k, v, ""), cache_bits(model, k, v, all_up)
+    b0, b_up = (
+        cache_bits(model, k, v, "", ott_config=ott_config),
+        cache_bits(model, k, v, all_up, ott_config=ott_config),
+    )
     rate = (b_up - b0) / ((sum(up) - sum(base)) * n_layers)  # bits per element per code bit
     limit = base_code + int((max_bits - b0) / rate + 1e-9) if rate > 0 else base_code
     floor = sum(down) * n_layers
     while limit >= floor:
         plan = best_plan(blocks, base_kld, base, up, down, limit=limit)
         spec = plan.spec(blocks, base, up, down)
-        bits = cache_bits(model, k, v, spec)
+        bits = cache_bits(model, k, v, spec, ott_config=ott_config)
         if bits <= max_bits + 1e-9:
             return plan
         log(f"  {spec or 'the base pair'}: {bits:.3f} bits per element, over {max_bits:g}: one code bit less")

@@ -45,17 +45,48 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--ott-layers", metavar="SPEC", default="",
                    help="K/V code widths of some layers of an ott cache, e.g. 15-24:4/3 (ott-gguf calibrate "
                    "chooses them)")  # fmt: skip
+    p.add_argument("--ott-params", metavar=OTT_PARAMS, default="",
+                   help="parameters of an ott cache, as llama.cpp's tools of this build take them (default "
+                   "128,32,3,32,2,1,1,0)")  # fmt: skip
+
+
+OTT_PARAMS = "G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS[,V_ROTATE[,K_MIX[,V_SYM]]]"
+
+
+def parse_ott_params(text: str) -> dict[str, int | bool]:
+    """--ott-params "128,64,3,32,2,1,1,1" -> OttConfig fields (the first five at least, in NATIVE_FIELDS order)."""
+    from .kv_types import OttConfig
+
+    names = OttConfig.NATIVE_FIELDS
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--ott-params expects {OTT_PARAMS} (integers), got {text!r}") from None
+    if not 5 <= len(values) <= len(names):
+        raise ValueError(f"--ott-params expects {OTT_PARAMS}, got {len(values)} values")
+    out: dict[str, int | bool] = {}
+    for name, value in zip(names, values, strict=False):
+        if name in ("v_rotate", "k_mix", "v_sym"):
+            if value not in (0, 1):
+                raise ValueError(f"--ott-params: {name}={value} must be 0 or 1")
+            out[name] = bool(value)
+        else:
+            out[name] = value
+    return out
 
 
 def _ott_config(args: argparse.Namespace, kv_type: str) -> OttConfig | None:
-    """The OttConfig that --ott-layers asks for (None without it), checked before a model is fetched."""
+    """The OttConfig that --ott-layers and --ott-params ask for (None without them), checked before a model is
+    fetched."""
     from .kv_types import OTT_KV_TYPES, OttConfig, resolve_kv_types
 
-    if not args.ott_layers:
+    params = getattr(args, "ott_params", "")
+    if not args.ott_layers and not params:
         return None
     if resolve_kv_types(kv_type)[0] not in OTT_KV_TYPES:
-        raise ValueError(f"--ott-layers applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {kv_type}")
-    return OttConfig(layer_widths=args.ott_layers)
+        flag = "--ott-layers" if args.ott_layers else "--ott-params"
+        raise ValueError(f"{flag} applies to the ott cache types ({', '.join(OTT_KV_TYPES)}), not {kv_type}")
+    return OttConfig(layer_widths=args.ott_layers, **(parse_ott_params(params) if params else {}))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -99,14 +130,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
     kv_type = _kv_types(args)
+    if args.ott_layers:
+        raise ValueError("calibrate chooses --ott-layers itself; give only --ott-params")
+    cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
     cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
                     n_ctx=args.n_ctx, threads=args.threads, budget=args.budget, max_bits=args.max_bits,
-                    log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                    ott_config=cfg, log=lambda line: print(line, file=sys.stderr))  # fmt: skip
     print(cal.report())
     if cal.spec:
-        print(f"use: -ctk {kv_type.split('/')[0]} -ctv {kv_type.split('/')[-1]} --ott-layers {cal.spec}  (Python: "
-              f"Llama(..., kv_type={kv_type!r}, ott_config={{'layer_widths': {cal.spec!r}}}))")  # fmt: skip
+        params = f" --ott-params {args.ott_params}" if args.ott_params else ""
+        fields = {f: getattr(cfg, f) for f in cfg.NATIVE_FIELDS} if cfg else {}
+        py = {**fields, "layer_widths": cal.spec}
+        print(f"use: -ctk {kv_type.split('/')[0]} -ctv {kv_type.split('/')[-1]}{params} --ott-layers {cal.spec}  "
+              f"(Python: Llama(..., kv_type={kv_type!r}, ott_config={py!r}))")  # fmt: skip
     return 0
 
 

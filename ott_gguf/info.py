@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _lib
-from .kv_types import OTT_KV_TYPES, is_ott_kv_type, kv_pair_name, resolve_kv_type, resolve_kv_types
+from .kv_types import OTT_KV_TYPES, OttConfig, is_ott_kv_type, kv_pair_name, resolve_kv_type, resolve_kv_types
 
 __all__ = [
     "INFO_KV_TYPES",
@@ -143,14 +143,16 @@ class KvBytes:
         return int((budget_bytes - self.fixed) / self.per_token) // CTX_STEP * CTX_STEP
 
 
-def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[str, float]]:
+def _allocated_bytes(path: Path, kv_type: str, n_ctx: int, ott_config: OttConfig | None = None
+                     ) -> tuple[float, dict[str, float]]:  # fmt: skip
     """Bytes the cache of kv_type (a name or "K/V") allocates for n_ctx, and for the ott caches the bytes by
     part."""
     from .llama import Llama
 
     # small batches: the compute buffers are not what is measured and need not be large
     # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
-    llm = Llama(str(path), kv_type=kv_type, n_ctx=n_ctx, n_batch=32, n_ubatch=32, swa_full=False, verbose=False)
+    llm = Llama(str(path), kv_type=kv_type, ott_config=ott_config, n_ctx=n_ctx, n_batch=32, n_ubatch=32,
+                swa_full=False, verbose=False)  # fmt: skip
     try:
         parts: dict[str, float] = {}
         if is_ott_kv_type(kv_type):
@@ -163,16 +165,20 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int) -> tuple[float, dict[
 
 
 def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
-                     n_ctx: tuple[int, int] = MEASURE_CTX) -> list[KvBytes]:  # fmt: skip
-    """Bytes per token and fixed bytes of each type's cache, from contexts created at the two sizes n_ctx."""
+                     n_ctx: tuple[int, int] = MEASURE_CTX,
+                     tiers: dict[str, tuple[str, OttConfig]] | None = None) -> list[KvBytes]:  # fmt: skip
+    """Bytes per token and fixed bytes of each type's cache, from contexts created at the two sizes n_ctx; an entry
+    of kv_types that `tiers` names is its K/V pair with its configuration, under that label."""
     path = Path(path)
     small, large = n_ctx
     if not 0 < small < large:
         raise ValueError(f"need two increasing context sizes, got {n_ctx}")
+    tiers = tiers or {}
     out = []
-    for t in (kv_pair_name(*resolve_kv_types(t)) for t in kv_types):
-        b_small, _ = _allocated_bytes(path, t, small)
-        b_large, parts = _allocated_bytes(path, t, large)
+    for t in (t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t in kv_types):
+        pair, cfg = tiers.get(t, (t, None))
+        b_small, _ = _allocated_bytes(path, pair, small, cfg)
+        b_large, parts = _allocated_bytes(path, pair, large, cfg)
         slope = (b_large - b_small) / (large - small)
         out.append(KvBytes(t, slope, b_small - slope * small, ((small, b_small), (large, b_large)), parts))
     return out

@@ -24,6 +24,7 @@ KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswit
 MeanMode = Literal["non_outlier", "all"]
 _BITS = (2, 3, 4)
 K_MIX_BITS = 3  # k_mix mixes 2, 3 and 4-bit channels in groups of 3-bit keys
+V_SYM_BITS = 2  # v_sym stores 2-bit values in symmetric blocks
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
 
@@ -31,7 +32,7 @@ ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim
 class OttConfig:
     """Parameters of the ott caches (spec/ott2-algorithm.md).
 
-    The native cache takes G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix (C struct
+    The native cache takes G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix, v_sym (C struct
     `llama_ott_config`); its code widths come from the K and V types (type_k="ott3": 3-bit keys) and Gv from the
     build. The other fields are variants of the numpy reference (and of the fidelity study): bits, or k_bits/v_bits
     per side (None: bits); k_rotate/v_rotate:
@@ -50,6 +51,10 @@ class OttConfig:
     Layers whose keys are not 3 bits wide quantize as without it. On by default: at the bytes of 3-bit keys (plus
     0.016 bits per key element) it cuts the KL divergence of ott3/ott2 by about a third on both test models
     (docs/tiers.md); k_rotate needs it off.
+
+    v_sym: 2-bit values in symmetric blocks (one fp16 scale, no min, levels centred on zero; quantizer module
+    docstring): 0.25 bits per value less at about 5% more value error, since rotated values are centred
+    (docs/v-blocks.md). Needs v_rotate; layers with wider values are unaffected.
 
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
@@ -72,6 +77,7 @@ class OttConfig:
     clip: bool = True
     layer_widths: str = ""
     k_mix: bool = True
+    v_sym: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -79,7 +85,7 @@ class OttConfig:
         object.__setattr__(self, "layer_widths", format_layer_widths(parse_layer_widths(self.layer_widths)))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip", "layer_widths", "k_mix") or (
+            if f.name in ("mean", "identity", "k_rotate", "v_rotate", "clip", "layer_widths", "k_mix", "v_sym") or (
                 f.name.endswith("_bits") and value is None
             ):
                 continue
@@ -89,7 +95,7 @@ class OttConfig:
             value = getattr(self, name)
             if value is not None and value not in _BITS:
                 raise ValueError(f"ott_config.{name} must be one of {_BITS}, got {value}")
-        for name in ("identity", "k_rotate", "v_rotate", "clip", "k_mix"):
+        for name in ("identity", "k_rotate", "v_rotate", "clip", "k_mix", "v_sym"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ott_config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("G", "Gv"):
@@ -102,6 +108,12 @@ class OttConfig:
         if self.outlier_num >= self.G:
             # a group must keep at least one non-outlier token to define the placeholder mean
             raise ValueError(f"ott_config.outlier_num must be below G={self.G}, got {self.outlier_num}")
+        if self.v_sym and not self.v_rotate:
+            raise ValueError(
+                "ott_config.v_sym needs v_rotate (symmetric blocks suit rotated values, which are centred)"
+            )
+        if self.v_sym and self.Gv not in (32, 64, 128, 256):
+            raise ValueError(f"ott_config.v_sym needs Gv in 32, 64, 128 or 256, got {self.Gv}")
         if self.k_mix and self.k_rotate:
             raise ValueError("ott_config.k_mix and k_rotate exclude each other (k_mix ranks the unrotated channels)")
         if self.mean not in ("non_outlier", "all"):
@@ -118,8 +130,8 @@ class OttConfig:
         return self.bits if self.v_bits is None else self.v_bits
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
-    # (all int32 there: v_rotate and k_mix are 0 or 1)
-    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix")
+    # (all int32 there: v_rotate, k_mix and v_sym are 0 or 1)
+    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym")
 
     @classmethod
     def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
@@ -160,7 +172,7 @@ class OttConfig:
         return self.replace(**changes) if changes else self
 
     def native(self) -> tuple[int, ...]:
-        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, k_mix: 0 or 1)."""
+        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, k_mix, v_sym: 0 or 1)."""
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def widths_for_layer(self, layer: int) -> tuple[int, int]:
@@ -194,17 +206,26 @@ class OttConfig:
         return self.k_mix and self.kbits == K_MIX_BITS
 
     @property
+    def v_symmetric(self) -> bool:
+        """Whether V blocks are symmetric: v_sym on 2-bit values."""
+        return self.v_sym and self.vbits == V_SYM_BITS
+
+    @property
     def v_format(self) -> Any:
-        """The format of unrotated V units (full range)."""
+        """The format of unrotated V units (full range; symmetric too under v_symmetric)."""
         from .quantizer import BlockFormat
 
-        return BlockFormat(self.vbits, self.Gv)
+        return BlockFormat(self.vbits, self.Gv, sym=self.v_symmetric)
 
     @property
     def vr_format(self) -> Any:
         """The format of rotated V units: the same blocks, quantized to the clipped range of their width and Gv."""
-        from .quantizer import CLIP_ONE, V_ROT_CLIP64, BlockFormat
+        from .quantizer import CLIP_ONE, V_ROT_CLIP64, V_SYM_CLIP64, BlockFormat
 
+        if self.v_symmetric:
+            return BlockFormat(
+                self.vbits, self.Gv, V_SYM_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE, True
+            )
         return BlockFormat(self.vbits, self.Gv, V_ROT_CLIP64[(self.vbits, self.Gv)] if self.clip else CLIP_ONE)
 
 

@@ -17,9 +17,15 @@ clipping error of the few extreme ones, so the mean squared error falls (a 2-bit
 (the rotation makes a token's values near-Gaussian, where the optimum is known); unrotated values keep the full
 range. Constants are sixty-fourths, so c and o are exact in fp32 and a kernel writes them as literals.
 
-Block layout (bytes): fp16 d, fp16 m, then the code planes. Codes of `bits` bits are split into planes of
-2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided: element j is
-in byte j % nbytes at bit w * (j // nbytes).
+Symmetric blocks (sym, the v_sym option for 2-bit rotated values; docs/v-blocks.md): one fp16 scale and no min,
+the levels centred on zero. With a = max(-min, max) + 0 of the group (max |x|, exact and order-independent):
+    dh = fp16(((a * 2) * c) / nlev)      m = -(nlev/2) * d in fp32 (exact: d is an fp16, nlev/2 = 1.5 for 2 bits)
+and codes, reconstruction and dot products as above with that m. Rotated values are centred (their block mean is
+one of Gv coefficients), so the min costs 16 bits for little: +1-5% error for 0.25 bits per value less at 2 bits.
+
+Block layout (bytes): fp16 d, fp16 m (absent in symmetric blocks), then the code planes. Codes of `bits` bits are
+split into planes of 2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided:
+element j is in byte j % nbytes at bit w * (j // nbytes).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ V_ROT_CLIP64 = {
     (2, 128): 38, (3, 128): 51, (4, 128): 59,
     (2, 256): 35, (3, 256): 48, (4, 256): 57,
 }  # fmt: skip
+# symmetric rotated values (sym), by (width, Gv): the clip of max(|x|) that minimises the mean squared error of Gv
+# Gaussian values (study/clipping.py); 2-bit values only (at 3 bits the min pays for itself: docs/v-blocks.md)
+V_SYM_CLIP64 = {(2, 32): 41, (2, 64): 37, (2, 128): 34, (2, 256): 32}
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class BlockFormat:
     bits: int
     group: int
     clip: int = CLIP_ONE  # sixty-fourths of the group's range the codes span (see the module docstring)
+    sym: bool = False  # one scale, levels centred on zero (the module docstring); the range is [-a, a], a = max|x|
 
     def __post_init__(self) -> None:
         if self.bits not in PLANE_WIDTHS:
@@ -88,7 +98,11 @@ class BlockFormat:
 
     @property
     def block_bytes(self) -> int:
-        return 4 + sum(p.nbytes for p in self.planes)
+        return (2 if self.sym else 4) + sum(p.nbytes for p in self.planes)
+
+    def sym_min(self, d: np.ndarray) -> np.ndarray:
+        """m of symmetric blocks from their fp16 scales (magnitude: a rotated block flags its sign bit), fp32."""
+        return (np.float32(-self.nlev / 2) * np.abs(np.asarray(d).astype(np.float32))).astype(np.float32)
 
 
 @dataclass
@@ -108,7 +122,11 @@ def quantize(x: np.ndarray, fmt: BlockFormat) -> Quantized:
     g = x.reshape(*x.shape[:-1], x.shape[-1] // fmt.group, fmt.group)
     mn = g.min(axis=-1)
     mx = g.max(axis=-1)
-    if fmt.clip == CLIP_ONE:
+    if fmt.sym:
+        a = (np.where(-mn > mx, -mn, mx) + np.float32(0.0)).astype(np.float32)  # + 0: never -0 (as the kernels)
+        dh = (((a * np.float32(2.0)) * np.float32(fmt.clip_scale)) / np.float32(fmt.nlev)).astype(np.float16)
+        mh = fmt.sym_min(dh)  # fp32: not stored
+    elif fmt.clip == CLIP_ONE:
         dh = ((mx - mn) / np.float32(fmt.nlev)).astype(np.float16)
         mh = (mn + np.float32(0.0)).astype(np.float16)
     else:
@@ -121,7 +139,7 @@ def quantize(x: np.ndarray, fmt: BlockFormat) -> Quantized:
     inv = np.where(d != 0, np.float32(1.0) / safe, np.float32(0.0)).astype(np.float32)
     v = (g - m[..., None]) * inv[..., None]
     codes = np.clip(np.rint(v), 0, fmt.nlev).astype(np.uint8)
-    return Quantized(codes=codes, d=dh, m=mh)
+    return Quantized(codes=codes, d=dh, m=mh)  # sym: m is the fp32 min the codes were chosen against
 
 
 def dequantize(q: Quantized) -> np.ndarray:
@@ -137,7 +155,9 @@ def pack(q: Quantized, fmt: BlockFormat) -> np.ndarray:
     """Blocks as bytes, shape (n_blocks, block_bytes), in the generated C layout."""
     codes = q.codes.reshape(-1, fmt.group)
     nb = codes.shape[0]
-    parts = [q.d.reshape(nb, 1).view(np.uint8), q.m.reshape(nb, 1).view(np.uint8)]
+    parts = [q.d.reshape(nb, 1).view(np.uint8)]
+    if not fmt.sym:
+        parts.append(q.m.reshape(nb, 1).view(np.uint8))
     for p in fmt.planes:
         per = 8 // p.width
         vals = ((codes >> p.shift) & ((1 << p.width) - 1)).reshape(nb, per, p.nbytes).astype(np.uint16)
@@ -153,9 +173,9 @@ def unpack(blocks: np.ndarray, fmt: BlockFormat) -> Quantized:
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, fmt.block_bytes)
     nb = blocks.shape[0]
     d = blocks[:, 0:2].copy().view(np.float16).reshape(nb)
-    m = blocks[:, 2:4].copy().view(np.float16).reshape(nb)
+    m = fmt.sym_min(d) if fmt.sym else blocks[:, 2:4].copy().view(np.float16).reshape(nb)
     codes = np.zeros((nb, fmt.group), dtype=np.uint8)
-    off = 4
+    off = 2 if fmt.sym else 4
     for p in fmt.planes:
         raw = blocks[:, off : off + p.nbytes]
         per = 8 // p.width

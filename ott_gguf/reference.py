@@ -663,7 +663,8 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
     if n_tokens <= 0:
         raise ValueError("n_tokens must be positive")
     kbits, vbits = (config.kbits, config.vbits) if layer is None else config.widths_for_layer(layer)
-    mixed = (config if layer is None else config.for_layer(layer)).k_mixed
+    lc = config if layer is None else config.for_layer(layer)
+    mixed = lc.k_mixed
     D = head_dim
     t_q = config.G * max(0, (n_tokens - config.R) // config.G)
     t_tail = n_tokens - t_q
@@ -673,7 +674,7 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
         "codes": t_q * D * (kbits + vbits),
         "k_scale_min": 32 * D * t_q / config.G,
         "k_widths": 2 * D * t_q / config.G if mixed else 0,  # 2 bits per channel and group
-        "v_scale_min": 32 * t_q * D / config.Gv,
+        "v_scale_min": (16 if lc.v_symmetric else 32) * t_q * D / config.Gv,  # v_sym: a scale, no min
         "tail": 2 * 16 * D * t_tail,
         "pools": 2 * 16 * D * slots,
         "pool_positions": 32 * slots,

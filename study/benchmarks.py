@@ -21,15 +21,32 @@ from pathlib import Path
 
 from ott_gguf import models
 from ott_gguf._lib import bin_path
-from ott_gguf.bench import BenchRow, bench
+from ott_gguf.bench import BenchRow, Tiers, bench, ott_args
 from ott_gguf.calibrate import perplexity_numbers
 from ott_gguf.corpus import docs_text
 from ott_gguf.evaluate import import_pyplot
 from ott_gguf.info import measure_kv_bytes
-from ott_gguf.kv_types import resolve_kv_types
+from ott_gguf.kv_types import OttConfig, resolve_kv_types
 
 # the quality tier of issue 12 (3- or 4-bit keys, 2-bit rotated values) beside the maximum-compression ott2
 KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "ott4/ott2")
+# and the quality tier as docs/tiers.md recommends it: ott3/ott2 with a 64-token fp16 window, symmetric 2-bit values
+# and the widths `ott-gguf calibrate MODEL --ott-params 128,64,3,32,2,1,1,1 --max-bits 3.2` chose for the model (on
+# calibration text disjoint from the text measured here)
+QUALITY = "ott3/ott2 tier"
+QUALITY_TIERS: dict[str, OttConfig] = {
+    "smollm2-135m": OttConfig(R=64, v_sym=True, layer_widths="0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2"),
+    "gemma3-270m": OttConfig(R=64, v_sym=True, layer_widths="11:3/3,17:2/2"),
+}
+
+
+def model_types(name: str) -> tuple[tuple[str, ...], Tiers]:
+    """The cache types measured on a model: KV_TYPES, and its quality tier where it has one."""
+    if name not in QUALITY_TIERS:
+        return KV_TYPES, {}
+    return (*KV_TYPES, QUALITY), {QUALITY: ("ott3/ott2", QUALITY_TIERS[name])}
+
+
 MEM_CTX = (2048, 8192, 32768)
 TEXT_BYTES = 200_000  # spec/targets.md: the first 200,000 bytes of the pinned llama.cpp docs
 
@@ -44,13 +61,17 @@ class PplRow:
     top1: float  # percent of positions whose top token equals f16's
 
 
-def _perplexity_cmd(model: Path, kv_type: str, text: Path, threads: int, chunks: int) -> list[str]:
-    k, v = resolve_kv_types(kv_type)
+def _perplexity_cmd(model: Path, kv_type: str, text: Path, threads: int, chunks: int,
+                    tiers: Tiers | None = None) -> list[str]:  # fmt: skip
+    pair, cfg = (tiers or {}).get(kv_type, (kv_type, None))
+    k, v = resolve_kv_types(pair)
     return [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "2048", "-b", "2048",
-            "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", k, "-ctv", v]  # fmt: skip
+            "-ub", "512", "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", k, "-ctv", v,
+            *(ott_args(cfg) if cfg else [])]  # fmt: skip
 
 
-def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[PplRow]:
+def perplexity(model: Path, threads: int, chunks: int, log: list[str], kv_types: tuple[str, ...] = KV_TYPES,
+               tiers: Tiers | None = None) -> list[PplRow]:  # fmt: skip
     """llama-perplexity with f16 as the KL-divergence base, then each type against it."""
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "docs.txt"
@@ -60,8 +81,8 @@ def perplexity(model: Path, threads: int, chunks: int, log: list[str]) -> list[P
         log.append(" ".join(cmd))
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows = []
-        for t in KV_TYPES:
-            cmd = [*_perplexity_cmd(model, t, text, threads, chunks), "--kl-divergence-base", str(base),
+        for t in kv_types:
+            cmd = [*_perplexity_cmd(model, t, text, threads, chunks, tiers), "--kl-divergence-base", str(base),
                    "--kl-divergence"]  # fmt: skip
             log.append(" ".join(cmd))
             r = subprocess.run(cmd, capture_output=True, text=True)  # -ctk kivi2 names the kivi2 cache itself
@@ -79,10 +100,11 @@ def run(model_names: list[str], threads: int, depths: list[int], chunks: int, re
         path = models.fetch(name, quiet=True)
         log: list[str] = []
         t0 = time.time()
-        mem = measure_kv_bytes(path, KV_TYPES, n_ctx=(MEM_CTX[0], MEM_CTX[1]))
-        speed: list[BenchRow] = bench(path, KV_TYPES, depths=depths, n_prompt=512, n_gen=64, threads=threads,
-                                      reps=reps, progress=log.append)  # fmt: skip
-        ppl = perplexity(path, threads, chunks, log)
+        types, tiers = model_types(name)
+        mem = measure_kv_bytes(path, types, n_ctx=(MEM_CTX[0], MEM_CTX[1]), tiers=tiers)
+        speed: list[BenchRow] = bench(path, types, depths=depths, n_prompt=512, n_gen=64, threads=threads,
+                                      reps=reps, progress=log.append, tiers=tiers)  # fmt: skip
+        ppl = perplexity(path, threads, chunks, log, types, tiers)
         out[name] = {
             "memory": [{"kv_type": m.kv_type, **{str(n): m.at(n) for n in MEM_CTX}, "parts": m.parts} for m in mem],
             "speed": [asdict(r) for r in speed],
@@ -114,12 +136,13 @@ def markdown(res: dict[str, object], depths: list[int]) -> str:
         labels = [f"{t} @ {d}" for d in model_depths for t in ("pp512", "tg64")]
         lines += ["| K/V | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
         by = {(s["kv_type"], s["test"], s["depth"]): s["tokens_per_s"] for s in r["speed"]}
-        for t in KV_TYPES:
+        types = tuple(dict.fromkeys(s["kv_type"] for s in r["speed"]))
+        for t in types:
             cells = [by.get((t, lab.split()[0][:2], int(lab.split()[-1]))) for lab in labels]
             lines.append(f"| {t} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
         lines += ["", "Ratio to f16 (same run):", "", "| K/V | " + " | ".join(labels) + " |",
                   "|---|" + "---|" * len(labels)]  # fmt: skip
-        for t in KV_TYPES[1:]:
+        for t in types[1:]:
             cells = []
             for lab in labels:
                 key = (lab.split()[0][:2], int(lab.split()[-1]))
@@ -152,7 +175,7 @@ def plot(res: dict[str, object], out_dir: Path) -> list[Path]:
         for m in r["memory"]:
             ax[0].plot(MEM_CTX, [m[str(n)] / 2**20 for n in MEM_CTX], marker="o", label=m["kv_type"])
         ax[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="K/V cache MiB", title="memory")
-        for t in KV_TYPES:
+        for t in dict.fromkeys(s["kv_type"] for s in r["speed"]):
             pts = sorted((s["depth"], s["tokens_per_s"]) for s in r["speed"] if s["kv_type"] == t and s["test"] == "tg")
             ax[1].plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=t)
         ax[1].set(xlabel="context depth (tokens)", ylabel="decode tokens/s (tg64)", title="decode speed")

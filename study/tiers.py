@@ -30,7 +30,7 @@ from ott_gguf._lib import bin_path
 from ott_gguf.calibrate import cache_bits
 from ott_gguf.corpus import docs_text
 
-from .benchmarks import TEXT_BYTES, perplexity_numbers
+from .benchmarks import QUALITY_TIERS, TEXT_BYTES, perplexity_numbers
 
 CTX = (2048, 8192, 32768)
 
@@ -42,21 +42,25 @@ class Tier:
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
     k_mix: bool = True  # K widths per channel in the groups of 3-bit keys (the default; docs/k-channel-widths.md)
+    v_sym: bool = False  # symmetric 2-bit V blocks (docs/v-blocks.md)
+    R: int = 32  # the fp16 recent window
 
     @property
     def label(self) -> str:
         name = self.k if self.k == self.v else f"{self.k}/{self.v}"
-        if self.layers:
-            name += f" --ott-layers {self.layers}"
         if self.v_rotate is None:
             return name
         uniform = not self.k_mix and "3" in self.k and not self.layers  # where k_mix would apply but is off
-        return name + (" +rotV" if self.v_rotate else "") + (" uniform K" if uniform else "")
+        name += (
+            (" +rotV" if self.v_rotate else "") + (" +symV" if self.v_sym else "") + (" uniform K" if uniform else "")
+        )
+        name += f" R={self.R}" if self.R != 32 else ""
+        return name + (f" --ott-layers {self.layers}" if self.layers else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
-            out += ["--ott-params", f"128,32,3,32,2,{int(self.v_rotate)},{int(self.k_mix)}"]
+            out += ["--ott-params", f"128,{self.R},3,32,2,{int(self.v_rotate)},{int(self.k_mix)},{int(self.v_sym)}"]
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -64,7 +68,8 @@ class Tier:
     def ott_config(self) -> dict[str, object] | None:
         if self.v_rotate is None:
             return None
-        return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix}
+        return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix, "v_sym": self.v_sym,
+                "R": self.R}  # fmt: skip
 
 
 TIERS = (
@@ -76,13 +81,24 @@ TIERS = (
     # rotated V against plain on the two candidates (the default is decided by these); the other pairs rotated
     Tier("ott2", "ott2", False),
     Tier("ott2", "ott2", True),
+    Tier("ott2", "ott2", True, v_sym=True),
     Tier("ott3", "ott2", False),
     Tier("ott3", "ott2", True),
     Tier("ott3", "ott2", True, k_mix=False),
+    Tier("ott3", "ott2", True, v_sym=True),
+    Tier("ott3", "ott2", True, v_sym=True, R=64),
     Tier("ott2", "ott3", True),
     Tier("ott3", "ott3", True),
     Tier("ott4", "ott2", True),
 )
+
+
+def model_tiers(name: str) -> tuple[Tier, ...]:
+    """TIERS, and the model's calibrated quality tier (study.benchmarks.QUALITY_TIERS) where it has one."""
+    cfg = QUALITY_TIERS.get(name)
+    if cfg is None:
+        return TIERS
+    return (*TIERS, Tier("ott3", "ott2", True, layers=cfg.layer_widths, k_mix=cfg.k_mix, v_sym=cfg.v_sym, R=cfg.R))
 
 
 @dataclass(frozen=True)
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in a.models.split(","):
         print(f"{name}:", file=sys.stderr, flush=True)
-        parts.append(markdown(name, measure(models.fetch(name, quiet=True), a.threads, a.chunks, log)))
+        rows = measure(models.fetch(name, quiet=True), a.threads, a.chunks, log, model_tiers(name))
+        parts.append(markdown(name, rows))
     when = time.strftime("%a %b %d %H:%M:%S %Y")
     text = (
         "# Quality per byte: K/V widths per side and rotated V\n\n"

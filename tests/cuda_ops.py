@@ -35,14 +35,15 @@ typedef struct {
 """
 
 
-def head_tag(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False) -> str:
-    """The generator's name of a head config (gen/generate.py HeadConfig.tag); kmix: K widths per channel."""
-    return f"k{kbits}{'m' if kmix else ''}v{vbits}g{G}x{Gv}"
+def head_tag(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False, vsym: bool = False) -> str:
+    """The generator's name of a head config (gen/generate.py HeadConfig.tag); kmix: K widths per channel, vsym:
+    symmetric V blocks (one scale, no min)."""
+    return f"k{kbits}{'m' if kmix else ''}v{vbits}{'s' if vsym else ''}g{G}x{Gv}"
 
 
-def head_spec(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False) -> str:
+def head_spec(kbits: int, vbits: int, G: int, Gv: int, kmix: bool = False, vsym: bool = False) -> str:
     """A head config as the generator's --cuda-heads item."""
-    return f"{kbits}{'m' if kmix else ''}/{vbits}:{G}:{Gv}"
+    return f"{kbits}{'m' if kmix else ''}/{vbits}{'s' if vsym else ''}:{G}:{Gv}"
 
 
 def generate(out: Path, heads: str) -> Path:
@@ -99,7 +100,7 @@ def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "nativ
 @dataclass
 class LayerState:
     """One layer's ott tensors for n_stream streams, H KV heads of dimension D (the cache's layouts); the K/V
-    widths, k_mix and v_rotate come from cfg."""
+    widths, k_mix, v_rotate and v_sym come from cfg."""
 
     cfg: ref.OttConfig
     outlier_num: int
@@ -121,7 +122,7 @@ class LayerState:
         # one head's sealed K group (gen/generate.py HeadConfig.k_group_bytes): with k_mix the blocks of mixed
         # widths take D nominal blocks, then the table of the D 2-bit widths
         self.KGB = D * self.KB + (D // 4 if c.k_mixed else 0)
-        self.VB = c.v_format.block_bytes
+        self.VB = c.v_format.block_bytes  # v_sym: a scale and the codes (no min)
         self.arrays = {
             "ring": np.zeros((2 * ns, self.T, H, D), np.uint16),
             "sk": np.zeros((ns, H, self.NG, self.KGB), np.uint8),

@@ -26,6 +26,7 @@ _ffi.cdef(
         int bits;
         int group;
         int clip;
+        int sym;
         const char * isa;
         size_t block_bytes;
         void (*quantize)(const float * x, void * y, int64_t k);
@@ -57,6 +58,7 @@ _ffi.cdef(
         int G;
         int Gv;
         int kmix;
+        int vsym;
         const char * isa;
         size_t k_block_bytes;
         size_t v_block_bytes;
@@ -105,6 +107,7 @@ class KernelSet:
     block_bytes: int
     _k: object
     clip: int = 64
+    sym: bool = False  # one scale, no min (quantizer.BlockFormat.sym)
 
     def quantize(self, x: np.ndarray) -> np.ndarray:
         x = _f32(x).reshape(-1)
@@ -170,6 +173,7 @@ class HeadKernelSet:
     _k: object
     vrot: bool = False
     kmix: bool = False
+    vsym: bool = False  # symmetric V blocks (v_sym)
 
     def k_group_bytes(self, D: int) -> int:
         """Bytes of one sealed K group of the head (k_mix: the D channel blocks plus their 2-bit width table)."""
@@ -329,7 +333,7 @@ class Kernels:
         n = _ffi.new("int *")
         table = self._lib.ott_kernels(n)
         self._sets = [
-            KernelSet(t.bits, t.group, _ffi.string(t.isa).decode(), int(t.block_bytes), t, t.clip)
+            KernelSet(t.bits, t.group, _ffi.string(t.isa).decode(), int(t.block_bytes), t, t.clip, bool(t.sym))
             for t in (table[i] for i in range(n[0]))
         ]
         heads = self._lib.ott_head_kernels(n)
@@ -344,6 +348,7 @@ class Kernels:
                 int(t.v_block_bytes),
                 t,
                 kmix=bool(t.kmix),
+                vsym=bool(t.vsym),
             )
             for t in (heads[i] for i in range(n[0]))
         ]
@@ -354,35 +359,40 @@ class Kernels:
 
     @property
     def configs(self) -> list[tuple[int, int]]:
-        """(bits, group) of every full-range config."""
-        return sorted({(k.bits, k.group) for k in self._sets if k.clip == 64})
+        """(bits, group) of every full-range asymmetric config."""
+        return sorted({(k.bits, k.group) for k in self._sets if k.clip == 64 and not k.sym})
 
     @property
     def clipped_configs(self) -> list[tuple[int, int, int]]:
-        """(bits, group, clip) of every clipped config (the head configs' keys and rotated values)."""
-        return sorted({(k.bits, k.group, k.clip) for k in self._sets if k.clip != 64})
+        """(bits, group, clip) of every clipped asymmetric config (the head configs' keys and rotated values)."""
+        return sorted({(k.bits, k.group, k.clip) for k in self._sets if k.clip != 64 and not k.sym})
 
     @property
-    def head_configs(self) -> list[tuple[int, int, int, int, bool]]:
-        """(K bits, V bits, G, Gv, k_mix) of every generated head config."""
-        return sorted({(h.kbits, h.vbits, h.G, h.Gv, h.kmix) for h in self._heads})
+    def sym_configs(self) -> list[tuple[int, int, int]]:
+        """(bits, group, clip) of every symmetric config (the v_sym heads' values)."""
+        return sorted({(k.bits, k.group, k.clip) for k in self._sets if k.sym})
+
+    @property
+    def head_configs(self) -> list[tuple[int, int, int, int, bool, bool]]:
+        """(K bits, V bits, G, Gv, k_mix, v_sym) of every generated head config."""
+        return sorted({(h.kbits, h.vbits, h.G, h.Gv, h.kmix, h.vsym) for h in self._heads})
 
     def head(self, kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False,
-             kmix: bool = False) -> HeadKernelSet:  # fmt: skip
+             kmix: bool = False, vsym: bool = False) -> HeadKernelSet:  # fmt: skip
         for h in self._heads:
-            if (h.kbits, h.vbits, h.G, h.Gv, h.kmix, h.isa) == (kbits, vbits, G, Gv, kmix, isa):
+            if (h.kbits, h.vbits, h.G, h.Gv, h.kmix, h.vsym, h.isa) == (kbits, vbits, G, Gv, kmix, vsym, isa):
                 return h.with_vrot(vrot)
-        raise KeyError(f"no head kernels for K {kbits} bits{' mixed' if kmix else ''}, V {vbits} bits, G={G}, "
-                       f"Gv={Gv}, isa={isa}")  # fmt: skip
+        raise KeyError(f"no head kernels for K {kbits} bits{' mixed' if kmix else ''}, V {vbits} bits"
+                       f"{' symmetric' if vsym else ''}, G={G}, Gv={Gv}, isa={isa}")  # fmt: skip
 
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))
 
-    def get(self, bits: int, group: int, isa: str, clip: int = 64) -> KernelSet:
+    def get(self, bits: int, group: int, isa: str, clip: int = 64, sym: bool = False) -> KernelSet:
         for k in self._sets:
-            if (k.bits, k.group, k.clip, k.isa) == (bits, group, clip, isa):
+            if (k.bits, k.group, k.clip, k.sym, k.isa) == (bits, group, clip, sym, isa):
                 return k
-        raise KeyError(f"no kernels for bits={bits}, group={group}, clip={clip}, isa={isa}")
+        raise KeyError(f"no kernels for bits={bits}, group={group}, clip={clip}, sym={sym}, isa={isa}")
 
 
 def ggml_quantize_rows(type_id: int, x: np.ndarray, n_per_row: int) -> tuple[np.ndarray, np.ndarray]:

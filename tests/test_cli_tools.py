@@ -153,6 +153,55 @@ def test_bench_speeds_per_type_and_depth(smollm2: Path, tmp_path: Path, capsys: 
     assert png_written(png)
 
 
+def test_a_configured_tier_runs_with_its_parameters(smollm2: Path) -> None:
+    """bench and measure_kv_bytes take a configured ott cache under a label (R 64, symmetric values, widths per
+    layer): llama-bench gets --ott-params and --ott-layers, and the bytes are that cache's (smaller than the
+    default ott3/ott2's by the 2 bytes of every V block's min, larger by the wider fp16 window)."""
+    from ott_gguf.bench import bench, bench_command
+    from ott_gguf.kv_types import OttConfig
+
+    cfg = OttConfig(R=64, v_sym=True, layer_widths="0-2:3/3")
+    tiers = {"tier": ("ott3/ott2", cfg)}
+    cmd = bench_command(smollm2, "ott3/ott2", depths=[0], n_prompt=0, n_gen=4, threads=THREADS, reps=1, ott_config=cfg)
+    assert (
+        cmd[cmd.index("--ott-params") + 1] == "128,64,3,32,2,1,1,1" and cmd[cmd.index("--ott-layers") + 1] == "0-2:3/3"
+    )
+    seen: list[str] = []
+    rows = bench(smollm2, ["ott3/ott2", "tier"], depths=[256], n_prompt=0, n_gen=4, threads=THREADS, reps=1,
+                 progress=seen.append, tiers=tiers)  # fmt: skip
+    assert [r.kv_type for r in rows] == ["ott3/ott2", "tier"] and all(r.tokens_per_s > 0 for r in rows)
+    assert "--ott-params" not in seen[0] and "--ott-params 128,64,3,32,2,1,1,1 --ott-layers 0-2:3/3" in seen[1]
+    plain, tier, sym = info.measure_kv_bytes(smollm2, ["ott3/ott2", "tier", "sym"], n_ctx=(2048, 8192),
+                                             tiers={**tiers, "sym": ("ott3/ott2", OttConfig(v_sym=True))})  # fmt: skip
+    assert tier.kv_type == "tier" and sym.kv_type == "sym"
+    m = info.model_info(smollm2)
+    # per token: every layer's V blocks lose their 2-byte min (head dim 64 = one block per KV head)
+    assert plain.per_token - sym.per_token == pytest.approx(m.n_layer * m.n_head_kv * 2, rel=0.02)
+    assert tier.at(8192) > sym.at(8192)  # the wider window and 3 layers at 3/3
+
+
+def test_ott_params_on_the_command_line() -> None:
+    """--ott-params as llama.cpp's tools of this build take it: five to eight integers, switches 0 or 1."""
+    import argparse
+
+    from ott_gguf.cli import _ott_config, parse_ott_params
+
+    assert parse_ott_params("128,64,3,32,2") == {"G": 128, "R": 64, "outlier_num": 3, "aux_cap": 32,
+                                                 "no_outlier_layers": 2}  # fmt: skip
+    assert parse_ott_params("128,64,3,32,2,1,1,1")["v_sym"] is True
+    for bad, message in (("128,64,3", "expects G,R"), ("128,64,3,32,2,1,1,1,1", "expects G,R"),
+                         ("128,x,3,32,2", "integers"), ("128,64,3,32,2,1,2", "k_mix=2 must be 0 or 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_ott_params(bad)
+    args = argparse.Namespace(ott_layers="", ott_params="128,64,3,32,2,1,1,1")
+    cfg = _ott_config(args, "ott3/ott2")
+    assert cfg is not None and (cfg.R, cfg.v_sym, cfg.k_mix) == (64, True, True)
+    with pytest.raises(ValueError, match="--ott-params applies to the ott cache types"):
+        _ott_config(args, "q4_0")
+    with pytest.raises(ValueError, match="v_sym needs v_rotate"):
+        _ott_config(argparse.Namespace(ott_layers="", ott_params="128,64,3,32,2,0,1,1"), "ott2")
+
+
 # --- errors ----------------------------------------------------------------------------------------------------
 
 

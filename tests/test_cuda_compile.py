@@ -12,13 +12,23 @@ import pytest
 from helpers import ROOT, require_tool
 
 ARCHS = ["sm_75", "sm_86", "sm_89"]
-# K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs, and
-# 3-bit keys with widths per channel (k_mix, "3m")
-TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64"]
+# K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs,
+# 3-bit keys with widths per channel (k_mix, "3m"), and symmetric 2-bit V blocks (v_sym, "2s") with mixed keys and
+# with Gv 32 (a rotation unit of two blocks)
+TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64", "3m/2s:128:64", "2/2s:64:32"]
+# the block configs of the stand-alone check: the cuda target's defaults, and the symmetric formats of the v_sym
+# heads (bits "2s", group, clip: rotated units clipped, the unrotated fallback full range)
+CONFIGS = ["2:32", "2:64", "2:128", "3:64", "4:64", "2s:32:41", "2s:32", "2s:64:37", "2s:64"]
+
+
+def config_tag(spec: str) -> str:
+    """gen/generate.py's tag of a bits[s]:group[:clip] config spec."""
+    b, g, *c = spec.split(":")
+    return f"b{b}g{g}" + (f"c{c[0]}" if c and c[0] != "64" else "")
 
 
 def spec_tag(spec: str) -> str:
-    """gen/generate.py's tag of a K/V:G:Gv (or B:G:Gv) head spec."""
+    """gen/generate.py's tag of a K/V:G:Gv (or B:G:Gv) head spec (K as "3m": mixed widths, V as "2s": symmetric)."""
     b, g, gv = spec.split(":")
     kb, _, vb = b.partition("/")
     return f"k{kb}v{vb or kb.removesuffix('m')}g{g}x{gv}"
@@ -27,7 +37,8 @@ def spec_tag(spec: str) -> str:
 @pytest.fixture(scope="module")
 def cuda_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cuda")
-    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(out)], check=True)
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(out), "--configs",
+                    ",".join(CONFIGS)], check=True)  # fmt: skip
     return out
 
 
@@ -55,7 +66,7 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
     assert obj.stat().st_size > 0
     # every config's kernels made it into the object
     syms = subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True).stdout
-    for tag in ("b2g32", "b2g64", "b2g128", "b3g64", "b4g64"):
+    for tag in map(config_tag, CONFIGS):
         assert f"ott_cuda_dequantize_{tag}" in syms and f"ott_cuda_quantize_{tag}" in syms
 
 
@@ -63,7 +74,7 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
 def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
     program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture:
-    one file per head config, configs that between them have every K width and every V width, and k_mix."""
+    one file per head config, configs that between them have every K width and every V width, k_mix and v_sym."""
     require_tool("nvcc", hint="the CUDA toolkit")
     src = tmp_path / "gen"
     subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
@@ -125,10 +136,12 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     ):
         assert fn in syms
     # the glue reaches the kernels of every head config the build renders (through ott2_cuda_find)
-    m = re.search(r"heads=([0-9m/:]+(?:,[0-9m/:]+)*)", ops.read_text().splitlines()[0])
+    m = re.search(r"heads=([0-9ms/:]+(?:,[0-9ms/:]+)*)", ops.read_text().splitlines()[0])
     assert m, "no head configs in the header line of ott2-cuda-ops.cu"
     tags = [spec_tag(h) for h in m.group(1).split(",")]
-    assert len(tags) == 12  # ott2..4 K with ott2..4 V, and 3-bit keys of mixed widths (k_mix) with each V
+    # ott2..4 K with ott2..4 V, 3-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
+    # symmetric 2-bit V (v_sym)
+    assert len(tags) == 16 and sum("v2s" in t for t in tags) == 4
     for tag in tags:
         for fn in ("attn_part", "attn_merge", "seal"):
             assert f"U ott2_cuda_{tag}_{fn}" in syms  # referenced by the glue

@@ -30,8 +30,9 @@ from ott_gguf import reference as ref
 
 from helpers import keys_values, pack_group
 
-# (K bits, V bits, G, Gv[, k_mix]) of the rendered head configs
-HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64), (3, 2, 128, 64, True)]
+# (K bits, V bits, G, Gv[, k_mix[, v_sym]]) of the rendered head configs
+HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64), (3, 2, 128, 64, True),
+         (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)]  # fmt: skip
 TAGS = [head_tag(*h) for h in HEADS]
 
 
@@ -51,10 +52,11 @@ def has_gpu() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-# (K bits, V bits, G, Gv[, k_mix]), D, H, n_head, outlier_num, aux_cap, v_rotate: SmolLM2's head shape, Gemma 3's
-# (D 256, one KV head), kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group, K and V of
-# different widths (ott3 K with ott2 V), plain and with V stored rotated (one rotation unit per token at D 64, four
-# at D 256), and 3-bit keys with widths per channel (k_mix: 2, 3 and 4-bit blocks and the width table)
+# (K bits, V bits, G, Gv[, k_mix[, v_sym]]), D, H, n_head, outlier_num, aux_cap, v_rotate: SmolLM2's head shape,
+# Gemma 3's (D 256, one KV head), kivi2 (no pools), a tiny aux pool (tracing stops), 4-bit, a smaller group, K and V
+# of different widths (ott3 K with ott2 V), plain and with V stored rotated (one rotation unit per token at D 64,
+# four at D 256), 3-bit keys with widths per channel (k_mix: 2, 3 and 4-bit blocks and the width table), and
+# symmetric 2-bit V blocks (v_sym: one scale, no min; rotated V only) with mixed keys and with 2-bit keys at Gv 32
 CASES = [
     ((2, 2, 128, 64), 64, 3, 9, 3, 32, False),
     ((2, 2, 128, 64), 256, 1, 4, 3, 32, False),
@@ -67,6 +69,9 @@ CASES = [
     ((3, 2, 128, 64), 256, 1, 2, 3, 32, True),
     ((3, 2, 128, 64, True), 64, 2, 4, 3, 32, True),
     ((3, 2, 128, 64, True), 256, 1, 2, 3, 8, False),
+    ((3, 2, 128, 64, True, True), 64, 2, 4, 3, 32, True),
+    ((3, 2, 128, 64, True, True), 256, 1, 2, 3, 8, True),
+    ((2, 2, 64, 32, False, True), 64, 2, 6, 2, 8, True),
 ]
 
 
@@ -80,11 +85,9 @@ SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
     head, D, H, n_head, outlier_num, aux_cap, v_rotate = case
-    kbits, vbits, G, Gv, *mix = head
-    k_mix = bool(mix and mix[0])
     tag = head_tag(*head)
-    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap,
-                        no_outlier_layers=0, v_rotate=v_rotate, k_mix=k_mix)  # fmt: skip
+    cfg = head_config(head, outlier_num, aux_cap, v_rotate)
+    k_mix, v_sym = cfg.k_mixed, cfg.v_symmetric
     rng = np.random.default_rng(seed)
     n_total = sum(SCHEDULE)
     n_stream = 2
@@ -125,6 +128,21 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
         assert (g.k_widths is not None) == k_mix
         if k_mix:
             assert np.bincount(g.k_widths, minlength=5)[2:].tolist() == [D // 4, D // 2, D // 4]
+    # v_sym: V blocks of a scale and the codes (the state compared above holds no min); the reference's mins are
+    # -1.5 times the scales' magnitudes
+    assert st.VB == (2 if v_sym else 4) + cfg.Gv * cfg.vbits // 8
+    if v_sym:
+        for g in s0.groups:
+            want_m = np.float32(-1.5) * np.abs(g.v_scale.astype(np.float32))
+            np.testing.assert_array_equal(np.asarray(g.v_min, np.float32), want_m)
+
+
+def head_config(head: tuple, outlier_num: int, aux_cap: int, v_rotate: bool) -> ref.OttConfig:
+    """The reference's config of a (K bits, V bits, G, Gv[, k_mix[, v_sym]]) head."""
+    kbits, vbits, G, Gv, *flags = head
+    k_mix, v_sym = (bool(f) for f in (*flags, False, False)[:2])
+    return ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap,
+                         no_outlier_layers=0, v_rotate=v_rotate, k_mix=k_mix, v_sym=v_sym)  # fmt: skip
 
 
 def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int, h: int) -> None:
@@ -169,12 +187,14 @@ def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCac
         check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
 
 
-def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
+@pytest.mark.parametrize("head", [(3, 2, 128, 64), (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)],
+                         ids=lambda h: head_tag(*h))  # fmt: skip
+def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib, head: tuple) -> None:
     """v_rotate with a token whose rotated values overflow the fp16 scale: that unit alone is stored unrotated
-    (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
-    kbits, vbits, G, Gv = 3, 2, 128, 64
-    cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=3, aux_cap=8, no_outlier_layers=0,
-                        v_rotate=True, k_mix=False)  # fmt: skip
+    (sign bits clear there, set everywhere else), bit for bit as the reference, and attention still matches; with
+    v_sym the unrotated unit is a symmetric block too (full range: max |x| spans the levels)."""
+    cfg = head_config(head, 3, 8, True)
+    G, Gv = cfg.G, cfg.Gv
     D, H, n_head, n = 128, 1, 2, 2 * G + 40
     st = LayerState(cfg, 3, D, H, n_head, n_stream=1, n_ctx=n + 8)
     cache = ref.OttCache(cfg, 1, H, D)
@@ -182,11 +202,12 @@ def test_emulated_rotated_values_fall_back_per_unit(emu: OpsLib) -> None:
     k, v = keys_values(rng, n, D)
     v[5, :64] = 60000.0  # unit 0 of token 5: rotated, 8 x 60000 does not fit fp16, even clipped
     v[9, 64:] = 0.5  # a constant unit: scale 0, flagged as -0.0
-    one_stream_lockstep(emu, head_tag(kbits, vbits, G, Gv), st, cache, cfg, rng, k, v, n_head)
+    one_stream_lockstep(emu, head_tag(*head), st, cache, cfg, rng, k, v, n_head)
     groups = cache.state(0, 0, 0).groups
     assert len(groups) == 2
-    flags = np.signbit(groups[0].v_scale)  # (G, D/Gv): one block per unit here
-    assert not flags[5, 0] and flags[5, 1:].all() and flags[np.arange(G) != 5].all()
+    per_unit = 64 // Gv  # blocks per rotation unit
+    flags = np.signbit(groups[0].v_scale)  # (G, D/Gv)
+    assert not flags[5, :per_unit].any() and flags[5, per_unit:].all() and flags[np.arange(G) != 5].all()
     assert np.signbit(groups[1].v_scale).all()
 
 

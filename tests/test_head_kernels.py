@@ -12,26 +12,28 @@ from ott_gguf import reference as ref
 from helpers import check_attention, keys_values, lockstep
 
 K = kernels()
-CASES = [(kb, vb, G, Gv, kmix, isa) for (kb, vb, G, Gv, kmix) in K.head_configs for isa in K.isas]
+HEADS = [(kb, vb, G, Gv, kmix, vsym, isa) for (kb, vb, G, Gv, kmix, vsym) in K.head_configs for isa in K.isas]
+POOLS = [(3, 32, False), (0, 32, False), (2, 1, False), (3, 32, True), (2, 1, True)]
+# v_sym needs v_rotate (ott_config refuses it without): symmetric heads run the rotated pool cases
+CASES = [h + p for h in HEADS for p in POOLS if p[2] or not h[5]]
 
 
 def head_set(
-    kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False, kmix: bool = False
+    kbits: int, vbits: int, G: int, Gv: int, isa: str, vrot: bool = False, kmix: bool = False, vsym: bool = False
 ) -> HeadKernelSet:
     if not K.cpu_supports(isa):
         pytest.skip(f"this CPU cannot run {isa}")
-    return K.head(kbits, vbits, G, Gv, isa, vrot, kmix)
+    return K.head(kbits, vbits, G, Gv, isa, vrot, kmix, vsym)
 
 
-@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,isa", CASES)
-@pytest.mark.parametrize("outlier_num,aux_cap,vrot", [(3, 32, False), (0, 32, False), (2, 1, False), (3, 32, True)])
-def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: int, kmix: bool, isa: str,
-                                            outlier_num: int, aux_cap: int, vrot: bool) -> None:  # fmt: skip
-    hk = head_set(kbits, vbits, G, Gv, isa, vrot, kmix)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,vsym,isa,outlier_num,aux_cap,vrot", CASES)
+def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: int, kmix: bool, vsym: bool,
+                                            isa: str, outlier_num: int, aux_cap: int, vrot: bool) -> None:  # fmt: skip
+    hk = head_set(kbits, vbits, G, Gv, isa, vrot, kmix, vsym)
     D = 128 if vrot else 64  # two rotation units per token
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=outlier_num, aux_cap=aux_cap,
-                        v_rotate=vrot, k_mix=kmix)  # fmt: skip
-    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num + kmix)
+                        v_rotate=vrot, k_mix=kmix, v_sym=vsym)  # fmt: skip
+    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num + kmix + 11 * vsym)
     n = 5 * G + 40
     k, v = keys_values(rng, n, D)
     if aux_cap == 1:
@@ -80,14 +82,18 @@ def test_planted_outlier_is_caught(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", K.isas)
-@pytest.mark.parametrize("Gv", [32, 64])
-def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
+@pytest.mark.parametrize("Gv,vsym", [(32, False), (64, False), (32, True)])
+def test_rotated_values_fall_back_per_unit(isa: str, Gv: int, vsym: bool) -> None:
     """A token whose rotated values overflow the fp16 scale is stored unrotated in that unit only (scale sign bit
-    clear there, set everywhere else), bit for bit as the reference, and attention still matches."""
-    hk = head_set(3, 2, 128, 64, isa, vrot=True) if Gv == 64 else head_set(2, 2, 64, 32, isa, vrot=True)
+    clear there, set everywhere else), bit for bit as the reference, and attention still matches. With v_sym the
+    unrotated unit is a symmetric full-range block."""
+    if Gv == 64:
+        hk = head_set(3, 2, 128, 64, isa, vrot=True)
+    else:
+        hk = head_set(2, 2, 64, 32, isa, vrot=True, vsym=vsym)
     G = hk.G
     cfg = ref.OttConfig(k_bits=hk.kbits, v_bits=2, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=8, v_rotate=True,
-                        k_mix=False)  # fmt: skip
+                        k_mix=False, v_sym=vsym)  # fmt: skip
     rng = np.random.default_rng(Gv)
     n, D = 2 * G + 40, 128
     k, v = keys_values(rng, n, D)
@@ -98,6 +104,7 @@ def test_rotated_values_fall_back_per_unit(isa: str, Gv: int) -> None:
     per_unit = 64 // Gv if Gv < 64 else 1
     assert not flags[5, :per_unit].any() and flags[5, per_unit:].all()
     assert flags[np.arange(G) != 5].all()
+    assert hk.v_block_bytes == (2 if vsym else 4) + Gv // 4
     check_attention(hk, st, nat, rng)
 
 
@@ -106,4 +113,4 @@ def test_every_x86_isa_was_run() -> None:
 
     if platform.machine() == "x86_64":
         assert K.cpu_supports("avx2") and K.cpu_supports("avx512")
-        assert {isa for *_, isa in CASES} == {"scalar", "avx2", "avx512"}
+        assert {h[-1] for h in HEADS} == {"scalar", "avx2", "avx512"}

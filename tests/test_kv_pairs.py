@@ -65,18 +65,29 @@ def test_bad_pairs_are_refused_with_the_rule(k: object, v: object, message: str)
         resolve_kv_pair(k, v)  # type: ignore[arg-type]
 
 
-def test_the_c_struct_carries_v_rotate_and_k_mix_as_its_last_int32s() -> None:
-    assert OttConfig.NATIVE_FIELDS[-2:] == ("v_rotate", "k_mix") and len(OttConfig.NATIVE_FIELDS) == 7
-    assert ctypes.sizeof(_lib.LlamaOttConfig) == 7 * 4 + 256  # then a byte per layer (test_layer_widths.py)
-    assert OttConfig().native()[-2:] == (1, 1) and OttConfig(v_rotate=False, k_mix=False).native()[-2:] == (0, 0)
-    c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,1: one default
+def test_the_c_struct_carries_v_rotate_k_mix_and_v_sym_as_its_last_int32s() -> None:
+    assert OttConfig.NATIVE_FIELDS[-3:] == ("v_rotate", "k_mix", "v_sym") and len(OttConfig.NATIVE_FIELDS) == 8
+    assert ctypes.sizeof(_lib.LlamaOttConfig) == 8 * 4 + 256  # then a byte per layer (test_layer_widths.py)
+    assert OttConfig().native()[-3:] == (1, 1, 0)
+    assert OttConfig(v_rotate=False, k_mix=False).native()[-3:] == (0, 0, 0)
+    assert OttConfig(v_sym=True).native()[-1] == 1
+    c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,1,0: one default
     assert c_default == OttConfig() and c_default.v_rotate is True and c_default.k_mix is True
+    assert c_default.v_sym is False
     assert _lib.config_problem(OttConfig(v_rotate=True, k_mix=False)) == ""
-    bad = _lib.native().llama_ott_config_default()
-    bad.k_mix = 2
+    assert _lib.config_problem(OttConfig(v_sym=True)) == ""
     why = ctypes.create_string_buffer(256)
+    for field, value, message in (("k_mix", 2, "k_mix=2 must be 0 or 1"), ("v_sym", 3, "v_sym=3 must be 0 or 1")):
+        bad = _lib.native().llama_ott_config_default()
+        setattr(bad, field, value)
+        assert not _lib.native().llama_ott_config_check(ctypes.byref(bad), why, len(why))
+        assert why.value.decode() == message
+    bad = _lib.native().llama_ott_config_default()
+    bad.v_sym, bad.v_rotate = 1, 0  # symmetric blocks need rotated (centred) values: native and Python agree
     assert not _lib.native().llama_ott_config_check(ctypes.byref(bad), why, len(why))
-    assert why.value.decode() == "k_mix=2 must be 0 or 1"
+    assert why.value.decode().startswith("v_sym=1 needs v_rotate=1")
+    with pytest.raises(ValueError, match="v_sym needs v_rotate"):
+        OttConfig(v_sym=True, v_rotate=False)
 
 
 # --- Llama --------------------------------------------------------------------------------------------------------
@@ -196,6 +207,40 @@ def test_k_mix_reaches_the_cache_and_its_state(smollm2: Path, doc_tokens: list[i
     assert len({int(x.kv_cache_info()["bytes"]["quantized"]) for x in two}) == 1  # type: ignore[index]
 
 
+def test_v_sym_reaches_the_cache_and_its_state(smollm2: Path, doc_tokens: list[int]) -> None:
+    """v_sym on and off each run as asked: 2-bit values change their logits once a group is sealed and take 2 bytes
+    less per V block (no min); 3-bit values are untouched; a state saved with v_sym continues identically in a v_sym
+    cache and is refused by one without, naming v_sym."""
+    logits, quantized, states = {}, {}, {}
+    for v_sym in (True, False):
+        llm = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"v_sym": v_sym}, n_ctx=N_CTX, n_threads=1,
+                    verbose=False)  # fmt: skip
+        assert llm.ott_config is not None and llm.ott_config.v_sym is v_sym
+        llm.eval(doc_tokens[:200])
+        assert llm.kv_cache_info()["sealed"] == 128
+        states[v_sym] = llm.save_state()
+        llm.eval(doc_tokens[200:201])
+        logits[v_sym] = last_logits(llm)
+        quantized[v_sym] = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
+        llm.close()
+    assert np.isfinite(logits[True]).all() and not np.array_equal(logits[True], logits[False])
+    info = model_info(smollm2)
+    n_groups = (N_CTX - OttConfig().R) // OttConfig().G
+    v_blocks = info.n_layer * info.n_head_kv * n_groups * OttConfig().G * info.head_dim_v // OttConfig().Gv
+    assert quantized[False] - quantized[True] == 2 * v_blocks
+    same = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"v_sym": True}, n_ctx=N_CTX, n_threads=1,
+                 verbose=False)  # fmt: skip
+    same.load_state(states[True])
+    same.eval(doc_tokens[200:201])
+    np.testing.assert_array_equal(last_logits(same), logits[True])
+    off = Llama(str(smollm2), kv_type="ott3/ott2", n_ctx=N_CTX, verbose=False)
+    with pytest.raises(ValueError, match=r"configuration: v_sym=1, this cache has v_sym=0"):
+        off.load_state(states[True])
+    three = [Llama(str(smollm2), kv_type="ott3", ott_config={"v_sym": s}, n_ctx=N_CTX, verbose=False)
+             for s in (True, False)]  # fmt: skip
+    assert len({int(x.kv_cache_info()["bytes"]["quantized"]) for x in three}) == 1  # type: ignore[index]
+
+
 def test_state_and_pickle_keep_the_pair(smollm2: Path, doc_tokens: list[int]) -> None:
     """A state saved from ott3/ott2 continues identically in an ott3/ott2 cache and is refused by an ott2/ott2 one,
     naming the K width; a pickled Llama comes back with the same sides and configuration."""
@@ -267,9 +312,13 @@ def test_server_command_per_side_and_ott_params(smollm2: Path) -> None:
     cmd = server_command(smollm2, type_k="ott3", type_v="ott2")
     assert (flag(cmd, "-ctk"), flag(cmd, "-ctv")) == ("ott3", "ott2")
     # Python's configuration, v_rotate included, not llama-server's own defaults
-    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1,1" and "--no-kv-unified" in cmd
+    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1,1,0" and "--no-kv-unified" in cmd
     cmd = server_command(smollm2, kv_type="kivi4/kivi2", ott_config=OttConfig(R=16, v_rotate=False))
-    assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == ("kivi4", "kivi2", "128,16,3,32,2,0,1")
+    assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == (
+        "kivi4",
+        "kivi2",
+        "128,16,3,32,2,0,1,0",
+    )
     cmd = server_command(smollm2, kv_type="ott2", extra=["--ott-params", "128,16,3,32,2"])
     assert cmd.count("--ott-params") == 1 and cmd[-1] == "128,16,3,32,2"  # the caller's own
     cmd = server_command(smollm2, kv_type="q8_0", type_v="q4_0")
@@ -291,7 +340,7 @@ def test_serve_defaults_to_ott2_like_generate_and_chat(smollm2: Path, capsys: py
     assert code == 0, err
     cmd = ran[0]
     assert (cmd[cmd.index("-ctk") + 1], cmd[cmd.index("-ctv") + 1]) == ("ott2", "ott2")
-    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1,1" and "kv_type=ott2" in out
+    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1,1,0" and "kv_type=ott2" in out
 
 
 def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:

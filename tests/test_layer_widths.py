@@ -72,7 +72,9 @@ def test_bad_specs_are_refused_by_both(spec: str, message: str) -> None:
 
 
 def test_the_c_struct_carries_a_byte_per_layer() -> None:
-    assert ctypes.sizeof(_lib.LlamaOttConfig) == 7 * 4 + 256
+    assert (
+        ctypes.sizeof(_lib.LlamaOttConfig) == 8 * 4 + 256
+    )  # G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix, v_sym
     assert list(_lib.native().llama_ott_config_default().layer_widths) == [0] * 256
     bad = _lib.LlamaOttConfig.of(OttConfig())
     bad.layer_widths[3] = 0x51
@@ -270,26 +272,32 @@ def test_plan_within_bits_fits_the_caches_own_bytes(smollm2: Path) -> None:
 
 
 def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Small but real: 2 blocks, one 512-token chunk of calibration text; the report covers every layer, and a
-    chosen spec measured below the base pair at no more code bits."""
+    """Small but real: 2 blocks, one 512-token chunk of calibration text, the quality tier's parameters (R 64,
+    symmetric values); the report covers every layer, and a chosen spec measured below the base pair at no more
+    code bits, with the parameters it was calibrated under."""
     code, out, err = run_cli(capsys, "calibrate", smollm2, "--blocks", "2", "--chunks", "1", "--n-ctx", "512",
-                             "--threads", str(THREADS))  # fmt: skip
+                             "--threads", str(THREADS), "--ott-params", "128,64,3,32,2,1,1,1")  # fmt: skip
     assert code == 0, err
     assert "| 0-14 |" in out and "| 15-29 |" in out, out
     base = float(re.search(r"base pair everywhere: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert 0 < base < 1
     m = re.search(r"chosen: --ott-layers (\S+) \(predicted KLD [0-9.]+, measured ([0-9.]+)", out)
     if m:
-        assert float(m.group(2)) < base and f"--ott-layers {m.group(1)}" in out
+        assert float(m.group(2)) < base and f"--ott-params 128,64,3,32,2,1,1,1 --ott-layers {m.group(1)}" in out
+        assert "'R': 64" in out and "'v_sym': True" in out  # the Python form carries them too
         widths = parse_layer_widths(m.group(1))
         assert sum(sum(widths.get(il, (3, 2))) for il in range(30)) <= 5 * 30  # code bits: no more than ott3/ott2
     else:
         assert "chosen: the base pair everywhere" in out
     assert err.count("mean KLD") >= 5  # base, each block widened and narrowed
-    # the cache's own bytes at 8k: ott3/ott2 with its fp16 tail and pools; widths within the base's code bits
+    # the cache's own bytes at 8k under those parameters: ott3/ott2 with its fp16 tail and pools (3.16: symmetric
+    # values save 0.12, the wider window costs 0.06); widths within the base's code bits
     bits = re.search(r"bits per K/V element at 8192 tokens .*: base pair ([0-9.]+), chosen ([0-9.]+)", out)
     assert bits, out
-    assert 3.0 < float(bits.group(1)) < 3.4 and float(bits.group(2)) <= float(bits.group(1)) + 0.01
+    assert float(bits.group(1)) == pytest.approx(
+        cache_bits(smollm2, "ott3", "ott2", "", ott_config={"R": 64, "v_sym": True}), abs=6e-4
+    )
+    assert 3.0 < float(bits.group(1)) < 3.2 and float(bits.group(2)) <= float(bits.group(1)) + 0.01
 
 
 def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
@@ -305,3 +313,5 @@ def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
         calibrate(smollm2, kv_type="ott3/ott2", up="3/2")
     with pytest.raises(ValueError, match="widths must be K/V bits"):
         calibrate(smollm2, kv_type="ott3/ott2", up="5/3")
+    with pytest.raises(ValueError, match="chooses layer_widths itself"):
+        calibrate(smollm2, kv_type="ott3/ott2", ott_config=OttConfig(layer_widths="0:3/3"))

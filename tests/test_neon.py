@@ -17,21 +17,28 @@ from ott_gguf import reference as ref
 from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
 
 CONFIGS = [(2, 32), (2, 64), (2, 128), (3, 64), (4, 64)]
-# (K bits, V bits, G, Gv, K widths per channel): the generator's default head configs (`kernels --arch aarch64`,
-# which the driver is built from; test_driver_has_the_generated_heads checks the two agree)
-HEADS = [(2, 2, 128, 64, False), (2, 2, 64, 32, False), (2, 2, 32, 32, False), (3, 3, 128, 64, False),
-         (4, 4, 128, 64, False), (3, 2, 128, 64, False), (2, 3, 128, 64, False), (4, 2, 128, 64, False),
-         (3, 2, 128, 64, True), (3, 4, 64, 32, True)]  # fmt: skip
-# V stored rotated (qemu is slow: two configs): a per-side width pair, and one with Gv below the rotation block
-# whose test also plants a unit that falls back to unrotated
-VROT_HEADS = [(3, 2, 128, 64, False), (2, 2, 64, 32, False)]
+# (K bits, V bits, G, Gv, K widths per channel, symmetric V blocks): the generator's default head configs
+# (`kernels --arch aarch64`, which the driver is built from; test_driver_has_the_generated_heads checks the two agree)
+HEADS = [(2, 2, 128, 64, False, False), (2, 2, 64, 32, False, False), (2, 2, 32, 32, False, False),
+         (3, 3, 128, 64, False, False), (4, 4, 128, 64, False, False), (3, 2, 128, 64, False, False),
+         (2, 3, 128, 64, False, False), (4, 2, 128, 64, False, False), (3, 2, 128, 64, True, False),
+         (3, 4, 64, 32, True, False), (2, 2, 128, 64, False, True), (3, 2, 128, 64, True, True),
+         (2, 2, 64, 32, False, True)]  # fmt: skip
+# V stored rotated (qemu is slow: a few configs): a per-side width pair, and one with Gv below the rotation block
+# whose test also plants a unit that falls back to unrotated; the symmetric V heads (v_sym), every one, run rotated
+# only (the cache refuses v_sym without v_rotate), the Gv 32 one with the fallback unit (a full-range symmetric block)
+VROT_HEADS = [(3, 2, 128, 64, False, False), (2, 2, 64, 32, False, False), (2, 2, 128, 64, False, True),
+              (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)]  # fmt: skip
+# the symmetric block formats the v_sym heads bring (GROUP, CLIP: sixty-fourths of max|x|): rotated units clipped,
+# the unrotated fallback full range (gen/generate.py HeadConfig.vr and .v; quantizer.V_SYM_CLIP64)
+SYM_CONFIGS = sorted({(h[1], h[3], c) for h in HEADS if h[5] for c in (Q.V_SYM_CLIP64[(h[1], h[3])], Q.CLIP_ONE)})
 
 
-def _hid(h: tuple[int, int, int, int, bool]) -> str:
-    return f"k{h[0]}{'m' if h[4] else ''}v{h[1]}g{h[2]}x{h[3]}"
+def _hid(h: tuple[int, int, int, int, bool, bool]) -> str:
+    return f"k{h[0]}{'m' if h[4] else ''}v{h[1]}{'s' if h[5] else ''}g{h[2]}x{h[3]}"
 
 
-HEAD_CASES = [pytest.param(*h, False, id=_hid(h)) for h in HEADS] + [
+HEAD_CASES = [pytest.param(*h, False, id=_hid(h)) for h in HEADS if not h[5]] + [
     pytest.param(*h, True, id=_hid(h) + "-vrot") for h in VROT_HEADS
 ]
 CC = "aarch64-linux-gnu-gcc"
@@ -99,12 +106,13 @@ def driver(gen_dir: Path) -> Path:
     return exe
 
 
-def run(driver: Path, bits: int, group: int, isa: str, op: str, data: bytes, tmp: Path) -> bytes:
+def run(driver: Path, bits: int, group: int, isa: str, op: str, data: bytes, tmp: Path, clip: int = Q.CLIP_ONE,
+        sym: bool = False) -> bytes:  # fmt: skip
     src, dst = tmp / f"{op}.in", tmp / f"{op}.out"
     src.write_bytes(data)
-    subprocess.run(
-        [QEMU, "-cpu", "max", str(driver), str(bits), str(group), isa, op, str(src), str(dst)], check=True, timeout=120
-    )
+    b = f"{bits}{'s' if sym else ''}"
+    g = f"{group}" + (f"c{clip}" if clip != Q.CLIP_ONE else "")
+    subprocess.run([QEMU, "-cpu", "max", str(driver), b, g, isa, op, str(src), str(dst)], check=True, timeout=120)
     return dst.read_bytes()
 
 
@@ -129,14 +137,42 @@ def test_aarch64_kernels_match_numpy(driver: Path, bits: int, group: int, isa: s
     assert abs(got_dot - want_dot) <= 1e-5 * mag
 
 
+@pytest.mark.parametrize("isa", ["neon", "scalar"])
+@pytest.mark.parametrize("bits,group,clip", SYM_CONFIGS)
+def test_aarch64_symmetric_blocks_match_numpy(driver: Path, bits: int, group: int, clip: int, isa: str,
+                                              tmp_path: Path) -> None:  # fmt: skip
+    """The v_sym heads' symmetric blocks (one scale, no min): quantize bit for bit, dequantize exact, vec_dot
+    within fp32 rounding."""
+    fmt = Q.BlockFormat(bits, group, clip, sym=True)
+    x = make_inputs(np.random.default_rng(bits * 1000 + group + clip + 5), group)
+    want = Q.pack(Q.quantize(x, fmt), fmt)
+    assert want.shape[1] == 2 + group * bits // 8
+    got = np.frombuffer(run(driver, bits, group, isa, "quantize", x.tobytes(), tmp_path, clip, True), np.uint8)
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+    recon = Q.dequantize(Q.unpack(want, fmt)).reshape(-1)
+    got_f = np.frombuffer(run(driver, bits, group, isa, "dequantize", want.tobytes(), tmp_path, clip, True), np.float32)
+    np.testing.assert_array_equal(got_f.view(np.uint32), recon.view(np.uint32))
+
+    y = np.random.default_rng(1).standard_normal(x.size).astype(np.float32)
+    q8 = Q.quantize_q8_1(y)
+    payload = np.int64(x.size).tobytes() + want.tobytes() + q8.tobytes()
+    out = run(driver, bits, group, isa, "vec_dot", payload, tmp_path, clip, True)
+    want_dot, mag = Q.vec_dot_q8_1(want, q8, fmt)
+    assert abs(float(np.frombuffer(out, np.float32)[0]) - want_dot) <= 1e-5 * mag + 1e-6
+
+
 def test_driver_has_the_generated_heads(driver: Path, gen_dir: Path) -> None:
     """HEADS is what the generator renders for aarch64 by default (the head table the driver was built with)."""
     line = (gen_dir / "ott-kernels-table.c").read_text().splitlines()[0]
     m = re.search(r"heads=([^)]*)\)", line)
     assert m, line
-    specs = [s.split(":") for s in m.group(1).split(",")]
-    got = [(int(b.partition("/")[0].removesuffix("m")), int(b.partition("/")[2] or b), int(g), int(gv),
-            b.partition("/")[0].endswith("m")) for b, g, gv in specs]  # fmt: skip
+    got = []
+    for b, g, gv in (s.split(":") for s in m.group(1).split(",")):
+        kb, _, vb = b.partition("/")
+        vb = vb or kb.removesuffix("m")
+        got.append((int(kb.removesuffix("m")), int(vb.removesuffix("s")), int(g), int(gv), kb.endswith("m"),
+                    vb.endswith("s")))  # fmt: skip
     assert got == HEADS
 
 
@@ -145,13 +181,14 @@ class QemuHead:
     (native_kernels.HeadKernelSet); vrot: V stored rotated."""
 
     def __init__(self, driver: Path, kbits: int, vbits: int, G: int, Gv: int, isa: str, tmp: Path,
-                 vrot: bool = False, kmix: bool = False) -> None:  # fmt: skip
+                 vrot: bool = False, kmix: bool = False, vsym: bool = False) -> None:  # fmt: skip
         self.driver, self.tmp = driver, tmp
-        self.args = [f"{kbits}{'m' if kmix else ''}", str(vbits), str(G), str(Gv), isa, str(int(vrot))]
+        self.args = [f"{kbits}{'m' if kmix else ''}", f"{vbits}{'s' if vsym else ''}", str(G), str(Gv), isa,
+                     str(int(vrot))]  # fmt: skip
         self.kbits, self.vbits, self.G, self.Gv, self.isa, self.vrot = kbits, vbits, G, Gv, isa, vrot
-        self.kmix = kmix
+        self.kmix, self.vsym = kmix, vsym
         self.k_block_bytes = Q.BlockFormat(kbits, G).block_bytes
-        self.v_block_bytes = Q.BlockFormat(vbits, Gv).block_bytes
+        self.v_block_bytes = Q.BlockFormat(vbits, Gv, sym=vsym).block_bytes
 
     def _run(self, op: str, payload: bytes) -> bytes:
         src, dst = self.tmp / f"head-{op}.in", self.tmp / f"head-{op}.out"
@@ -229,13 +266,14 @@ class QemuHead:
 
 
 @pytest.mark.parametrize("isa", ["neon", "scalar"])
-@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,vrot", HEAD_CASES)
+@pytest.mark.parametrize("kbits,vbits,G,Gv,kmix,vsym,vrot", HEAD_CASES)
 def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: int, G: int, Gv: int, kmix: bool,
-                                              vrot: bool, isa: str, tmp_path: Path) -> None:  # fmt: skip
-    hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot, kmix)
+                                              vsym: bool, vrot: bool, isa: str, tmp_path: Path) -> None:  # fmt: skip
+    hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot, kmix, vsym)
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4, v_rotate=vrot,
-                        k_mix=kmix)  # fmt: skip
-    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv)
+                        k_mix=kmix, v_sym=vsym)  # fmt: skip
+    assert hk.v_block_bytes == cfg.v_format.block_bytes == (2 if vsym else 4) + Gv * vbits // 8
+    rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + 11 * vsym)
     n = 4 * G + 40
     D = 128 if vrot else 64  # rotated: two rotation units per token
     k, v = keys_values(rng, n, D)

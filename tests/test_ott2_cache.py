@@ -252,6 +252,12 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
         flipped[i] ^= 0x10  # bit flips inside the cache's body: refused, never loaded silently
     with pytest.raises(ValueError, match="the state is corrupt"):
         llm.load_state(altered(bytes(flipped)))
+    # a state of the previous format (6: before v_sym) is refused by its version, naming both
+    at = raw.index(b"OTT2")
+    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 7
+    old = raw[: at + 4] + (6).to_bytes(4, "little") + raw[at + 8 :]
+    with pytest.raises(ValueError, match="format version 6 \\(an earlier ott-gguf\\); this build reads version 7"):
+        llm.load_state(altered(old))
     # a refused load leaves a cache that still works: the good state loads and continues as before
     llm.load_state(state)
     assert greedy(llm, doc_tokens[450], 100) == first
@@ -313,6 +319,12 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "K 3 bits, V 2 bits rotated" in next(s for s in out.stderr.splitlines() if "ott3/ott2 cache:" in s)
+    # the 8th value: v_sym (off by default), on here: symmetric 2-bit values, "s" in the per-layer widths
+    out = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,16,3,32,2,1,1,1"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [s for s in out.stderr.splitlines() if "ott3/ott2 cache:" in s]
+    assert "V 2 bits rotated symmetric" in lines[0] and " 3m/2s" in lines[1], lines
     bad = subprocess.run([*base, "-ctk", "ott5", "-ctv", "ott5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "ott5" in bad.stderr
     # a configuration this build cannot run is refused with the reason, before any model is loaded
@@ -325,6 +337,20 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,1,2"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "k_mix=2 must be 0 or 1" in bad.stderr
+    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,0,1,1"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "v_sym=1 needs v_rotate=1" in bad.stderr
+    # llama-bench takes the same two flags (for every test of the run) and refuses what the others refuse
+    bench = [str(_lib.bin_path("llama-bench")), "-m", str(smollm2), "-ctk", "ott3", "-ctv", "ott2", "-fa", "1",
+             "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json"]  # fmt: skip
+    ok = subprocess.run([*bench, "--ott-params", "128,64,3,32,2,1,1,1", "--ott-layers", "0-2:3/3"],
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert ok.returncode == 0 and '"n_gen": 2' in ok.stdout, ok.stderr[-2000:]
+    for params, why in (("128,32,3,32,2,0,1,1", "v_sym=1 needs v_rotate=1"), ("128,32", "expects G,R")):
+        bad = subprocess.run([*bench, "--ott-params", params], capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and why in bad.stderr, bad.stderr[-2000:]
+    bad = subprocess.run([*bench, "--ott-layers", "0:5/5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--ott-layers 0:5/5" in bad.stderr
     # an ott type with a kivi type or a stock type is refused, naming the allowed ones
     for k, v in (("ott2", "kivi2"), ("ott3", "f16")):
         mixed = subprocess.run([*base, "-ctk", k, "-ctv", v], capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ott_gguf.quantizer import K_CLIP64, V_ROT_CLIP64, BlockFormat, Quantized, dequantize, quantize
+from ott_gguf.quantizer import K_CLIP64, V_ROT_CLIP64, V_SYM_CLIP64, BlockFormat, Quantized, dequantize, quantize
 from ott_gguf.reference import (
     HeadState,
     OttCache,
@@ -261,10 +261,13 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
             qk = Quantized(codes=codes, d=np.stack([q.d[0] for q in parts]), m=np.stack([q.m[0] for q in parts]))
         else:
             assert g.k_widths is None
-        qv = quantize(xv32, BlockFormat(cfg.vbits, cfg.Gv))
+        # v_sym: 2-bit values in symmetric blocks, rotated at their own clip, the fallback at the full range
+        sym = cfg.v_sym and cfg.vbits == 2
+        qv = quantize(xv32, BlockFormat(cfg.vbits, cfg.Gv, sym=sym))
+        vclip = V_SYM_CLIP64[(2, cfg.Gv)] if sym else V_ROT_CLIP64[(cfg.vbits, cfg.Gv)]
         with np.errstate(over="ignore", invalid="ignore"):  # a rotated group may overflow fp16: the fallback
             rk = quantize(hadamard_rotate(xk32).T, kf)
-            rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv, V_ROT_CLIP64[(cfg.vbits, cfg.Gv)]))
+            rv = quantize(hadamard_rotate(xv32), BlockFormat(cfg.vbits, cfg.Gv, vclip, sym=sym))
         assert g.k_rotated == (cfg.k_rotate and fits(rk))
         qk = rk if g.k_rotated else qk
         per = max(cfg.Gv, 64) // cfg.Gv  # V blocks per rotation unit
@@ -277,7 +280,11 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         assert np.array_equal(g.k_codes, qk.codes[:, 0, :])
         assert f16_equal(g.k_scale, qk.d[:, 0]) and f16_equal(g.k_min, qk.m[:, 0])
         assert np.array_equal(g.v_codes, np.where(rot[..., None], rv.codes, qv.codes).reshape(G, -1))
-        assert f16_equal(g.v_scale, np.where(rot, -rv.d, qv.d)) and f16_equal(g.v_min, np.where(rot, rv.m, qv.m))
+        assert f16_equal(g.v_scale, np.where(rot, -rv.d, qv.d))
+        if sym:  # no stored min: -1.5 |d| in fp32
+            assert np.array_equal(g.v_min, np.float32(-1.5) * np.abs(g.v_scale.astype(np.float32)))
+        else:
+            assert f16_equal(g.v_min, np.where(rot, rv.m, qv.m))
         assert np.isfinite(g.k_hat).all() and np.isfinite(g.v_hat).all()
         # the cached k_hat/v_hat are exactly what the stored fields decode to
         k_dec, v_dec = dequantize_group(g, cfg)
@@ -302,18 +309,18 @@ def model_key_widths(k: np.ndarray) -> list[int]:
     return widths
 
 
-def _config(k_side: tuple[bool, bool], **kwargs: object) -> OttConfig:
-    """k_rotate and k_mix exclude each other: drawn as one pair."""
-    return OttConfig(k_rotate=k_side[0], k_mix=k_side[1], **kwargs)  # type: ignore[arg-type]
+def _config(k_side: tuple[bool, bool], v_side: tuple[bool, bool], **kwargs: object) -> OttConfig:
+    """k_rotate and k_mix exclude each other, v_sym needs v_rotate: each side drawn as one pair."""
+    return OttConfig(k_rotate=k_side[0], k_mix=k_side[1], v_rotate=v_side[0], v_sym=v_side[1], **kwargs)  # type: ignore[arg-type]
 
 
 configs = st.builds(
     _config,
     k_side=st.sampled_from([(False, False), (True, False), (False, True)]),
+    v_side=st.sampled_from([(False, False), (True, False), (True, True)]),
     bits=st.sampled_from([2, 3, 4]),
     k_bits=st.sampled_from([None, 2, 3, 4]),
     v_bits=st.sampled_from([None, 2, 3]),
-    v_rotate=st.booleans(),
     G=st.sampled_from([32, 64]),
     R=st.integers(0, 40),
     Gv=st.sampled_from([32, 64]),
@@ -1074,6 +1081,35 @@ def test_a_zero_range_rotated_block_keeps_its_flag() -> None:
     check_against_model(s, cfg, 0, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
 
 
+@pytest.mark.parametrize("Gv", [32, 64])
+def test_v_sym_blocks_are_centred_and_smaller(Gv: int) -> None:
+    """v_sym on 2-bit values: every V block decodes to (code - 1.5) * |d| (no stored min), rotated units keep their
+    flag, an overflowing unit falls back to a symmetric full-range block, attention matches the naive model, and
+    the V side costs 16 bits less per block (memory_bits); 3-bit values are untouched."""
+    cfg = OttConfig(G=32, R=0, Gv=Gv, outlier_num=2, no_outlier_layers=0, bits=2, v_rotate=True, v_sym=True)
+    rng = np.random.default_rng(5)
+    D = 128
+    k, v = make_kv(rng, 64, 1, D, "normal")
+    v[5, 0, :64] = 60000.0  # token 5's first unit cannot be rotated (8 x 60000 overflows fp16)
+    cache = OttCache(cfg, 1, 1, D)
+    run(cache, 0, 0, None, k, v, [])
+    s = cache.state(0, 0, 0)
+    g = s.groups[0]
+    d = np.abs(g.v_scale.astype(np.float32))
+    np.testing.assert_array_equal(g.v_min, np.float32(-1.5) * d)
+    per = max(Gv, 64) // Gv
+    assert not g.v_rotated[5, :per].any() and g.v_rotated[np.arange(32) != 5].all()
+    check_against_model(s, cfg, 2, k[:, 0].astype(np.float16), v[:, 0].astype(np.float16))
+    _, v_dec = dequantize_group(g, cfg)
+    assert np.array_equal(v_dec, g.v_hat)
+    np.testing.assert_array_equal(g.v_hat[5, :64], 60000.0)  # full range: a constant block is its top level, a
+    asym = cfg.replace(v_sym=False)
+    bits_sym, bits_asym = memory_bits(cfg, D, 1000), memory_bits(asym, D, 1000)
+    assert bits_asym["v_scale_min"] - bits_sym["v_scale_min"] == 16 * (1000 // 32 * 32) * D / Gv
+    assert memory_bits(cfg.replace(v_bits=3), D, 1000) == memory_bits(asym.replace(v_bits=3), D, 1000)
+    assert not cfg.replace(v_bits=3).v_symmetric and cfg.vr_format.sym and cfg.v_format.sym
+
+
 @pytest.mark.parametrize("k_bits,v_bits", [(3, 2), (2, 3), (4, 2)])
 def test_widths_per_side(k_bits: int, v_bits: int) -> None:
     """K and V codes of their own widths, in bits and in the error they leave; the memory counts each side's."""
@@ -1108,6 +1144,8 @@ def test_config_and_input_validation() -> None:
         OttConfig(k_bits=5)
     with pytest.raises(ValueError, match="v_rotate must be a bool"):
         OttConfig(v_rotate=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="v_sym needs v_rotate"):
+        OttConfig(v_sym=True, v_rotate=False)
     with pytest.raises(ValueError, match="v_rotate needs Gv to be 32 or a multiple of 64"):
         OttConfig(Gv=96, v_rotate=True)
     OttConfig(Gv=96, v_rotate=False), OttConfig(Gv=192, v_rotate=True)  # fine

@@ -58,7 +58,7 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
     const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
     const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
     const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
@@ -191,7 +191,7 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     int32_t * flags = (int32_t *) dst->src[9]->data;
     const ott_views v = views_of(dst, p);
     const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0);
+    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
     const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
     std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);

@@ -15,12 +15,14 @@ struct ggml_ott_params {
     int32_t D, H, n_head, G, Gv, T, S, NG, n_stream, outlier_num, aux_cap, NS;
     float   scale;
     int32_t kbits, vbits; // code widths of K and V
-    int32_t flags;        // GGML_OTT_V_ROTATE | GGML_OTT_K_MIX (the 16 slots are full: one slot for the switches)
+    int32_t flags;        // GGML_OTT_V_ROTATE | GGML_OTT_K_MIX | GGML_OTT_V_SYM (the 16 slots are full: one for the switches)
 };
 // V is stored rotated (sealed partials are in the rotated basis until the merge)
 #define GGML_OTT_V_ROTATE 1
 // K widths per channel in each sealed group (k_mix, 3-bit keys): a head's K group is D*KB + D/4 bytes
 #define GGML_OTT_K_MIX    2
+// symmetric V blocks (v_sym, 2-bit values): one fp16 scale, no min (a V block is 2 bytes shorter)
+#define GGML_OTT_V_SYM    4
 
 // attention partials: an online-softmax state (acc [D], M, L) per query row and unit
 // -> F32 [D + 2, gq*n_tok, H, ns*(NS + 1)], ns = plan->ne[1], n_tok = q->ne[2] / ns

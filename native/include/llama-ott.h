@@ -26,14 +26,16 @@ struct llama_ott_config {
     int32_t v_rotate;          // 1: V is quantized from its Hadamard-rotated values (blocks of 64 channels), 0: not
     int32_t k_mix;             // 1: 3-bit keys get their width per channel in each sealed group (2, 3 or 4 bits at
                                // the bytes of 3, docs/k-channel-widths.md); other K widths are unaffected
+    int32_t v_sym;             // 1: 2-bit values are stored in symmetric blocks (one fp16 scale, no min: 0.25 bits
+                               // per value less, docs/v-blocks.md); needs v_rotate; other V widths are unaffected
     // code widths per layer: 0 (all by default) gives a layer the widths of the K/V types; otherwise
     // K bits * 16 + V bits (0x43: 4-bit keys, 3-bit values). Sensitive layers can take wider codes and the others
     // narrower ones at the same bytes (docs/layer-widths.md).
     uint8_t layer_widths[LLAMA_OTT_MAX_LAYERS];
 };
 
-// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 1 (docs/tiers.md), no per-layer
-// widths.
+// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 1 (docs/tiers.md), v_sym 0
+// (docs/v-blocks.md), no per-layer widths.
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 
 // Sets cfg->layer_widths from a list of "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3,0:3/2"; later

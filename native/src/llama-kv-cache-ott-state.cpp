@@ -35,10 +35,10 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header;
 // 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths); 6: k_mix in the header and
-// beside each layer's widths
-static const uint32_t OTT_STATE_VERSION = 6;
-static const int      OTT_STATE_HDR     = 13; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
-                                              // n_layer, K bits, V bits, v_rotate, k_mix
+// beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter)
+static const uint32_t OTT_STATE_VERSION = 7;
+static const int      OTT_STATE_HDR     = 14; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+                                              // n_layer, K bits, V bits, v_rotate, k_mix, v_sym
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -95,7 +95,7 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                                           (uint32_t) hk->Gv, (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
                                           (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                           (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
-                                          (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix };
+                                          (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix, (uint32_t) cfg.v_sym };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -107,9 +107,10 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
 
 void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const {
     for (const auto & L : layers) {
-        const uint32_t shape[7] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S,
+        const uint32_t shape[8] = { (uint32_t) L.op.D, (uint32_t) L.op.H, (uint32_t) L.op.T, (uint32_t) L.op.S,
                                     (uint32_t) L.op.kbits, (uint32_t) L.op.vbits,
-                                    (uint32_t) ((L.op.flags & GGML_OTT_K_MIX) != 0) };
+                                    (uint32_t) ((L.op.flags & GGML_OTT_K_MIX) != 0),
+                                    (uint32_t) ((L.op.flags & GGML_OTT_V_SYM) != 0) };
         io.write(shape, sizeof(shape));
     }
     std::vector<uint32_t> which;
@@ -173,9 +174,10 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                                    (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
                                                    (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                                    (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
-                                                   (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix };
+                                                   (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix,
+                                                   (uint32_t) cfg.v_sym };
         const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
-                                                  "n_layer", "K bits", "V bits", "v_rotate", "k_mix" };
+                                                  "n_layer", "K bits", "V bits", "v_rotate", "k_mix", "v_sym" };
         for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
@@ -234,18 +236,21 @@ static bool ott_width_tables_ok(const ott_layer & L, int32_t s, int32_t h, int32
 
 void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_id) {
     for (const auto & L : layers) {
-        uint32_t shape[7];
+        uint32_t shape[8];
         io.read(shape, sizeof(shape));
         if (shape[0] != (uint32_t) L.op.D || shape[1] != (uint32_t) L.op.H || shape[2] != (uint32_t) L.op.T || shape[3] != (uint32_t) L.op.S) {
             throw std::runtime_error(std::string(kv_type.name) + ": the state's layer shapes differ from this model's");
         }
         const uint32_t kmix = (L.op.flags & GGML_OTT_K_MIX) != 0;
-        if (shape[4] != (uint32_t) L.op.kbits || shape[5] != (uint32_t) L.op.vbits || shape[6] != kmix) {
+        const uint32_t vsym = (L.op.flags & GGML_OTT_V_SYM) != 0;
+        if (shape[4] != (uint32_t) L.op.kbits || shape[5] != (uint32_t) L.op.vbits || shape[6] != kmix ||
+            shape[7] != vsym) {
             throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another configuration: "
                                      "layer " + std::to_string(L.il) + " has K/V bits " + std::to_string(shape[4]) +
-                                     (shape[6] ? "m" : "") + "/" + std::to_string(shape[5]) + " there, " +
-                                     std::to_string(L.op.kbits) + (kmix ? "m" : "") + "/" +
-                                     std::to_string(L.op.vbits) + " in this cache (layer_widths, k_mix; m: mixed K widths)");
+                                     (shape[6] ? "m" : "") + "/" + std::to_string(shape[5]) + (shape[7] ? "s" : "") +
+                                     " there, " + std::to_string(L.op.kbits) + (kmix ? "m" : "") + "/" +
+                                     std::to_string(L.op.vbits) + (vsym ? "s" : "") +
+                                     " in this cache (layer_widths, k_mix, v_sym; m: mixed K widths, s: symmetric V)");
         }
     }
     uint32_t n = 0;

@@ -52,7 +52,7 @@ static void ott_check_rpc_device(const char * type_name, uint32_t il, ggml_backe
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams,
                                        const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg_in,
                                        const layer_filter_cb & filter) :
-    kv_type(kv_type), hk(ott_head_find(kv_type.kbits, kv_type.vbits, 0)), cfg(ott_effective_config(kv_type, cfg_in)),
+    kv_type(kv_type), hk(ott_head_find(kv_type.kbits, kv_type.vbits, 0, 0)), cfg(ott_effective_config(kv_type, cfg_in)),
     n_stream(cparams.n_seq_max),
     // one stream per sequence: a unified context of n_ctx is shared out, not given to each sequence
     n_ctx_seq(cparams.kv_unified && cparams.n_seq_max > 1 ? cparams.n_ctx / cparams.n_seq_max : cparams.n_ctx_seq) {
@@ -135,7 +135,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         const int32_t kbits = w ? w >> 4 : kv_type.kbits, vbits = w ? w & 15 : kv_type.vbits;
         // k_mix changes the K format of 3-bit layers only (its widths are 3 +- 1)
         const int32_t kmix = cfg.k_mix && kbits == 3;
-        const ott_head_kernels * hkl = ott_head_find(kbits, vbits, kmix);
+        // v_sym changes the V format of 2-bit layers only
+        const int32_t vsym = cfg.v_sym && vbits == 2;
+        const ott_head_kernels * hkl = ott_head_find(kbits, vbits, kmix, vsym);
         GGML_ASSERT(hkl && hkl->G == hk->G && hkl->Gv == hk->Gv);
         ott_layer L;
         L.il = il;
@@ -164,7 +166,8 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.aux_cap     = cfg.aux_cap;
         L.op.kbits       = kbits;
         L.op.vbits       = vbits;
-        L.op.flags       = (cfg.v_rotate ? GGML_OTT_V_ROTATE : 0) | (kmix ? GGML_OTT_K_MIX : 0);
+        L.op.flags       = (cfg.v_rotate ? GGML_OTT_V_ROTATE : 0) | (kmix ? GGML_OTT_K_MIX : 0) |
+                           (vsym ? GGML_OTT_V_SYM : 0);
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
@@ -195,12 +198,12 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits%s, V %d bits%s, G=%d R=%d Gv=%d "
                    "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
                    n_stream, n_ctx_seq, kv_type.kbits, cfg.k_mix && kv_type.kbits == 3 ? " mixed" : "", kv_type.vbits,
-                   cfg.v_rotate ? " rotated" : "", G, cfg.R, Gv,
+                   cfg.v_rotate ? (cfg.v_sym && kv_type.vbits == 2 ? " rotated symmetric" : " rotated") : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
     std::string widths;
     for (const auto & L : layers) {
         widths += " " + std::to_string(L.op.kbits) + ((L.op.flags & GGML_OTT_K_MIX) ? "m" : "") + "/" +
-                  std::to_string(L.op.vbits);
+                  std::to_string(L.op.vbits) + ((L.op.flags & GGML_OTT_V_SYM) ? "s" : "");
     }
     LLAMA_LOG_INFO("%s: %s cache: K/V bits by layer:%s\n", __func__, kv_type.name, widths.c_str());
     LLAMA_LOG_INFO("%s: %s cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",

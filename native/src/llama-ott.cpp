@@ -60,7 +60,8 @@ llama_ott_config llama_ott_config_default(void) {
     c.aux_cap = 32;
     c.no_outlier_layers = 2;
     c.v_rotate = 1;
-    c.k_mix = 1; // docs/tiers.md; layer_widths all 0: every layer takes the widths of the K/V types
+    c.k_mix = 1; // docs/tiers.md
+    c.v_sym = 0; // docs/v-blocks.md; layer_widths all 0: every layer takes the widths of the K/V types
     return c;
 }
 
@@ -134,6 +135,12 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.k_mix != 0 && c.k_mix != 1) {
         return "k_mix=" + std::to_string(c.k_mix) + " must be 0 or 1";
+    }
+    if (c.v_sym != 0 && c.v_sym != 1) {
+        return "v_sym=" + std::to_string(c.v_sym) + " must be 0 or 1";
+    }
+    if (c.v_sym && !c.v_rotate) {
+        return "v_sym=1 needs v_rotate=1 (symmetric blocks suit rotated values, which are centred)";
     }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];
@@ -260,7 +267,7 @@ static llama_memory_i * ott_create_memory(const llama_model & model, const llama
     if (!bad.empty()) {
         throw std::runtime_error(std::string(pair.name) + ": " + bad);
     }
-    if (!ott_head_find(pair.kbits, pair.vbits, cfg.k_mix && pair.kbits == 3)) {
+    if (!ott_head_find(pair.kbits, pair.vbits, cfg.k_mix && pair.kbits == 3, cfg.v_sym && pair.vbits == 2)) {
         throw std::runtime_error(std::string(pair.name) + ": this build has no kernels for " +
                                  std::to_string(pair.kbits) + "-bit keys with " + std::to_string(pair.vbits) +
                                  "-bit values");

@@ -25,9 +25,11 @@ std::atomic<long> n_calls{0};
 const ott2_cu_ops * ops_of(const ggml_tensor * op) {
     const ggml_ott_params * p = ggml_ott_get_params(op);
     const bool kmix = (p->flags & GGML_OTT_K_MIX) != 0;
-    const ott2_cu_ops * ops = ott2_emu_find(p->kbits, p->vbits, kmix);
+    const bool vsym = (p->flags & GGML_OTT_V_SYM) != 0;
+    const ott2_cu_ops * ops = ott2_emu_find(p->kbits, p->vbits, kmix, vsym);
     if (!ops) {
-        fprintf(stderr, "ott_cuda_emu: no kernels for K %d bits%s, V %d bits\n", p->kbits, kmix ? " mixed" : "", p->vbits);
+        fprintf(stderr, "ott_cuda_emu: no kernels for K %d bits%s, V %d bits%s\n", p->kbits, kmix ? " mixed" : "", p->vbits,
+                vsym ? " symmetric" : "");
         abort();
     }
     return ops;

@@ -1,13 +1,14 @@
 // Runs one generated kernel on data from a file, for architectures the test machine can only emulate
 // (NEON under qemu-user). Usage:
-//   ott_kernel_driver BITS GROUP ISA quantize   IN(f32...)             OUT(blocks)
-//   ott_kernel_driver BITS GROUP ISA dequantize IN(blocks)             OUT(f32...)
-//   ott_kernel_driver BITS GROUP ISA vec_dot    IN(i64 n, blocks, q8_1) OUT(f32)
-//   ott_kernel_driver head KBITS VBITS G GV ISA VROT seal IN OUT   per-head seal (layouts: see head_seal below)
-//   ott_kernel_driver head KBITS VBITS G GV ISA VROT attn IN OUT   per-head attention (see head_attn below)
-//   ott_kernel_driver head KBITS VBITS G GV ISA VROT rows IN OUT   multi-row attention kernels (see head_rows below)
-// (head kernels: K codes of KBITS bits in blocks of G tokens, V codes of VBITS bits in blocks of GV channels;
-// VROT 1: V stored rotated, 0: plain)
+//   ott_kernel_driver BITS[s] GROUP[cCLIP] ISA quantize   IN(f32...)             OUT(blocks)
+//   ott_kernel_driver BITS[s] GROUP[cCLIP] ISA dequantize IN(blocks)             OUT(f32...)
+//   ott_kernel_driver BITS[s] GROUP[cCLIP] ISA vec_dot    IN(i64 n, blocks, q8_1) OUT(f32)
+//   ott_kernel_driver head KBITS[m] VBITS[s] G GV ISA VROT seal IN OUT   per-head seal (layouts: see head_seal)
+//   ott_kernel_driver head KBITS[m] VBITS[s] G GV ISA VROT attn IN OUT   per-head attention (see head_attn)
+//   ott_kernel_driver head KBITS[m] VBITS[s] G GV ISA VROT rows IN OUT   multi-row attention (see head_rows)
+// (block kernels: "2s" a symmetric format, "64c37" a group of 64 clipped to 37/64 of its range, 64 without;
+// head kernels: K codes of KBITS bits in blocks of G tokens ("3m": widths per channel), V codes of VBITS bits in
+// blocks of GV channels ("2s": symmetric blocks); VROT 1: V stored rotated, 0: plain)
 // Exit status 2 on bad usage or I/O, 3 when the kernel is not in the table.
 #include "ott-kernels.h"
 
@@ -197,18 +198,19 @@ static int head_rows(const ott_head_kernel * k, int vrot, const unsigned char * 
 
 static int head_main(int argc, char ** argv) {
     if (argc != 11) {
-        fprintf(stderr, "usage: %s head KBITS[m] VBITS G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s head KBITS[m] VBITS[s] G GV ISA VROT seal|attn|rows IN OUT\n", argv[0]);
         return 2;
     }
     const int kbits = atoi(argv[2]), vbits = atoi(argv[3]), G = atoi(argv[4]), Gv = atoi(argv[5]);
     const int kmix = strchr(argv[2], 'm') != NULL; // "3m": K widths per channel
+    const int vsym = strchr(argv[3], 's') != NULL; // "2s": symmetric V blocks
     const int vrot = atoi(argv[7]) != 0;
     int nk = 0;
     const ott_head_kernel * table = ott_head_kernels(&nk);
     const ott_head_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
         if (table[i].kbits == kbits && table[i].vbits == vbits && table[i].G == G && table[i].Gv == Gv &&
-            table[i].kmix == kmix && strcmp(table[i].isa, argv[6]) == 0) {
+            table[i].kmix == kmix && table[i].vsym == vsym && strcmp(table[i].isa, argv[6]) == 0) {
             k = &table[i];
         }
     }
@@ -242,21 +244,26 @@ int main(int argc, char ** argv) {
         return head_main(argc, argv);
     }
     if (argc != 7) {
-        fprintf(stderr, "usage: %s BITS GROUP ISA quantize|dequantize|vec_dot IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s BITS[s] GROUP[cCLIP] ISA quantize|dequantize|vec_dot IN OUT\n", argv[0]);
         return 2;
     }
     const int bits = atoi(argv[1]);
+    const int sym = strchr(argv[1], 's') != NULL; // "2s": symmetric blocks
     const int group = atoi(argv[2]);
+    const char * c = strchr(argv[2], 'c');        // "64c37": clipped to 37/64 of the range
+    const int clip = c ? atoi(c + 1) : 64;
     int nk = 0;
     const ott_kernel * table = ott_kernels(&nk);
     const ott_kernel * k = NULL;
     for (int i = 0; i < nk; ++i) {
-        if (table[i].bits == bits && table[i].group == group && table[i].clip == 64 && strcmp(table[i].isa, argv[3]) == 0) {
+        if (table[i].bits == bits && table[i].group == group && table[i].clip == clip && table[i].sym == sym &&
+            strcmp(table[i].isa, argv[3]) == 0) {
             k = &table[i];
         }
     }
     if (!k) {
-        fprintf(stderr, "no kernel for bits=%d group=%d isa=%s\n", bits, group, argv[3]);
+        fprintf(stderr, "no kernel for bits=%d%s group=%d clip=%d isa=%s\n", bits, sym ? " (symmetric)" : "", group,
+                clip, argv[3]);
         return 3;
     }
     size_t n_in = 0;
