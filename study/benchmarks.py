@@ -120,6 +120,12 @@ def run(model_names: list[str], threads: int, depths: list[int], chunks: int, re
 
 def markdown(res: dict[str, object], depths: list[int]) -> str:
     lines = [f"Measured {res['started']} on {res['machine']} (`python -m study.benchmarks`).", ""]
+    tiers = {name: QUALITY_TIERS[name] for name in res if name in QUALITY_TIERS}
+    if tiers:
+        widths = "; ".join(f"{name} `{cfg.layer_widths}`" for name, cfg in tiers.items())
+        lines += [f"`{QUALITY}`: the quality tier of docs/tiers.md, `-ctk ott3 -ctv ott2 --ott-params "
+                  f"128,64,3,32,2,1,1,1 --ott-layers W` with the widths W that `ott-gguf calibrate MODEL --ott-params "
+                  f"128,64,3,32,2,1,1,1 --max-bits 3.2` chose on calibration text ({widths}).", ""]  # fmt: skip
     for name, r in res.items():
         if not isinstance(r, dict):
             continue
