@@ -362,17 +362,26 @@ def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:
 # 0-14:2/2,15-24:4/3,25-29:2/2 (chosen for uniform 3-bit keys, and no layer keeps 3-bit keys: k_mix is off there).
 # SmolLM2, 1024 tokens: q4_0 0.0627 (85.1%), ott3/ott2 0.0184 (91.8%), uniform 0.0228 (90.3%), ott4/ott2 0.0171
 # (91.9%), layers 0.0205 (90.0%). Gemma 3, 1536 tokens: q4_0 0.1439 (77.5%), ott3/ott2 0.0128 (94.1%), uniform
-# 0.0157 (92.9%), ott4/ott2 0.0122 (93.9%). The bounds leave about 40% over each measurement.
+# 0.0157 (92.9%), ott4/ott2 0.0122 (93.9%). The quality tier ("quality MODEL"): SmolLM2 0.0113, Gemma 3 0.0105.
+# The bounds leave about 40% over each measurement.
 TIER_KLD_BOUNDS = {
-    "smollm2": (1024, {"ott3/ott2": 0.026, "uniform": 0.032, "ott4/ott2": 0.024, "layers": 0.029}),
-    "gemma3": (1536, {"ott3/ott2": 0.018, "uniform": 0.022, "ott4/ott2": 0.018}),
+    "smollm2": (
+        1024,
+        {"ott3/ott2": 0.026, "uniform": 0.032, "ott4/ott2": 0.024, "layers": 0.029, "quality smollm2": 0.016},
+    ),
+    "gemma3": (1536, {"ott3/ott2": 0.018, "uniform": 0.022, "ott4/ott2": 0.018, "quality gemma3": 0.015}),
 }
 SMOLLM2_LAYERS = "0-14:2/2,15-24:4/3,25-29:2/2"
+# the quality tier (docs/tiers.md): symmetric 2-bit values, R 64, the widths `ott-gguf calibrate MODEL --ott-params
+# 128,64,3,32,2,1,1,1 --max-bits 3.2` chose
+QUALITY = {"R": 64, "v_sym": True}
 TIER_RUNS: dict[str, tuple[str, dict[str, object] | None]] = {
     "ott3/ott2": ("ott3/ott2", None),
     "uniform": ("ott3/ott2", {"k_mix": False}),
     "ott4/ott2": ("ott4/ott2", None),
     "layers": ("ott3/ott2", {"k_mix": False, "layer_widths": SMOLLM2_LAYERS}),
+    "quality smollm2": ("ott3/ott2", {**QUALITY, "layer_widths": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2"}),
+    "quality gemma3": ("ott3/ott2", {**QUALITY, "layer_widths": "11:3/3,17:2/2"}),
 }
 
 
@@ -398,3 +407,4 @@ def test_tiers_kld_is_bounded_and_below_q4_0(model: str, request: pytest.Fixture
     assert kld["ott3/ott2"] < kld["uniform"] and kld["ott4/ott2"] < kld["uniform"]
     if "layers" in kld:
         assert kld["layers"] < kld["uniform"]
+    assert kld[f"quality {model}"] < kld["ott3/ott2"]  # the quality tier's recipe pays on both models
