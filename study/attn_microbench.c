@@ -32,7 +32,8 @@ int main(int argc, char ** argv) {
     const int kbits = argc > 1 ? atoi(argv[1]) : 2, vbits = argc > 2 ? atoi(argv[2]) : 2;
     const int D = argc > 3 ? atoi(argv[3]) : 64, NR = argc > 4 ? atoi(argv[4]) : 3;
     const int NG = argc > 5 ? atoi(argv[5]) : 32, reps = argc > 6 ? atoi(argv[6]) : 200;
-    const ott_head_kernels * hk = ott_head_find(kbits, vbits);
+    const int vsym = argc > 7 ? atoi(argv[7]) : 0; // symmetric V blocks (v_sym); keys plain (no k_mix)
+    const ott_head_kernels * hk = ott_head_find(kbits, vbits, 0, vsym);
     if (!hk) {
         return 1;
     }

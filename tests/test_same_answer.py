@@ -13,7 +13,8 @@ import pytest
 from ott_gguf import Llama
 from ott_gguf.corpus import docs_text
 
-from helpers import serving
+from helpers import doc_prefix, serving
+from helpers import last_logits as logits_now
 
 N_PROMPT = 640  # > R + 4G: five groups sealed
 OTT_TYPES = ["ott2", "ott3", "ott4", "kivi2", "kivi3", "kivi4", "ott3/ott2"]
@@ -195,3 +196,37 @@ def test_a_refused_cut_changes_nothing_on_a_sliding_window_model(gemma3: Path) -
         runs.append(np.array(llm.scores[400 : len(toks)]))
         llm.close()
     np.testing.assert_array_equal(runs[1], runs[0])
+
+
+def test_a_sliding_window_decode_reuses_its_graph_and_reuse_changes_nothing(
+    gemma3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 with ott2: once the window cache stops growing, each decoded token runs the previous token's graph
+    (as llama.cpp's own sliding-window cache does) instead of building it again, with the same logits, bit for
+    bit, as a run that rebuilds every graph (LLAMA_GRAPH_REUSE_DISABLE, read when a context is made)."""
+    toks = doc_prefix(gemma3, 300)
+    runs, reused = [], []
+    for disable in (False, True):
+        if disable:
+            monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
+        llm = Llama(str(gemma3), kv_type="ott2", n_ctx=1024, verbose=False)
+        llm.eval(toks)
+        steps = []
+        out = greedy_steps(llm, 48, steps)
+        reused.append(int(llama_cpp.llama_perf_context(llm._ctx.ctx).n_reused))
+        runs.append((out, np.stack(steps)))
+        llm.close()
+    assert reused[1] == 0
+    assert reused[0] >= 40, f"the decode graph was reused {reused[0]} times in 48 tokens"
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def greedy_steps(llm: Llama, n: int, steps: list[np.ndarray]) -> list[int]:
+    """n greedy tokens after what llm has evaluated, one llama_decode each; each step's logits go to steps."""
+    out: list[int] = []
+    for _ in range(n):
+        steps.append(logits_now(llm))
+        out.append(int(np.argmax(steps[-1])))
+        llm.eval(out[-1:])
+    return out

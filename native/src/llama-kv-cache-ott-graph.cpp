@@ -127,9 +127,27 @@ void llm_graph_input_attn_kv_ott_iswa::set_input(const llama_ubatch * ubatch) {
     ott.set_input(ubatch);
 }
 
+// as the stock iSWA input: the graph serves again while the window cache's view keeps its size (its n_kv grows
+// while the window fills, then stays) and the ott part's shape is the same
 bool llm_graph_input_attn_kv_ott_iswa::can_reuse(const llm_graph_params & params) {
-    GGML_UNUSED(params);
-    return false; // the window cache's mask changes shape as it fills: rebuilt each time
+    const auto * m = dynamic_cast<const llama_kv_cache_ott_iswa_context *>(params.mctx);
+    if (!m || m->get_ott()->get_kv() != ott.mctx_ott->get_kv()) {
+        return false;
+    }
+    mctx_oi = m;
+    ott.mctx_ott = m->get_ott();
+    bool res = ott.ub_plan->ne[1] == (int64_t) ott.mctx_ott->get_plan().size() &&
+               params.ubatch.n_tokens == ott.n_tokens;
+    if (self_k_idxs_swa && self_k_idxs_swa->buffer) {
+        res &= self_k_idxs_swa->ne[0] == params.ubatch.n_tokens;
+    }
+    if (self_kq_mask_swa && self_kq_mask_swa->buffer) {
+        const int64_t n_stream = params.cparams.kv_unified ? 1 : params.ubatch.n_seqs_unq;
+        res &= self_kq_mask_swa->ne[0] == (int64_t) m->get_swa()->get_n_kv();
+        res &= self_kq_mask_swa->ne[1] == params.ubatch.n_tokens/n_stream;
+        res &= self_kq_mask_swa->ne[3] == n_stream;
+    }
+    return res;
 }
 
 std::unique_ptr<llm_graph_input_attn_kv_iswa> llama_ott_build_input_iswa(ggml_context * ctx0,
