@@ -6,8 +6,9 @@ the same build and round set.
         --runs after:f16,before:ott2,after:ott2,before:ott3/ott2,after:ott3/ott2 --depths 0,4096,8192 --rounds 3
         --out /tmp/ab.md
 
-A build is an installed ott_gguf package directory (its bin/llama-bench runs); a run is build:K/V type. Ratios are
-to the f16 run (any build: f16 shares no code with the ott caches).
+A build is an installed ott_gguf package directory (its bin/llama-bench runs); a run is build:K/V type, where the
+type `tier` is the model's quality tier (study.benchmarks.QUALITY_TIERS: ott3/ott2 with its --ott-params and
+--ott-layers). Ratios are to the f16 run (any build: f16 shares no code with the ott caches).
 """
 
 from __future__ import annotations
@@ -21,14 +22,21 @@ import time
 from pathlib import Path
 
 from ott_gguf import models
-from ott_gguf.bench import parse_bench_json
-from ott_gguf.kv_types import resolve_kv_types
+from ott_gguf.bench import ott_args, parse_bench_json
+from ott_gguf.kv_types import OttConfig, resolve_kv_types
+
+from .benchmarks import QUALITY_TIERS
+
+TIER = "tier"
 
 
-def command(build: Path, model: Path, kv: str, depths: str, n_prompt: int, n_gen: int, threads: int) -> list[str]:
-    k, v = resolve_kv_types(kv)
+def command(build: Path, model: Path, kv: str, depths: str, n_prompt: int, n_gen: int, threads: int,
+            tier: OttConfig | None = None) -> list[str]:  # fmt: skip
+    """kv "tier": the model's quality tier (study.benchmarks.QUALITY_TIERS), an ott3/ott2 cache configured."""
+    k, v = resolve_kv_types("ott3/ott2" if kv == TIER else kv)
+    extra = ott_args(tier) if kv == TIER and tier is not None else []
     return [str(build / "bin" / "llama-bench"), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1", "-p", str(n_prompt),
-            "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json"]  # fmt: skip
+            "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json", *extra]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.rounds):
         for run in runs:
             name, kv = run.split(":", 1)
-            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads)
+            if kv == TIER and a.model not in QUALITY_TIERS:
+                raise SystemExit(f"{a.model} has no quality tier in study.benchmarks.QUALITY_TIERS")
+            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads, QUALITY_TIERS.get(a.model))
             log.append(f"round {r + 1}/{a.rounds}, {name}, {kv}: {' '.join(cmd)}")
             print(log[-1], file=sys.stderr, flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True)
