@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import ott_gguf
 from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.corpus import docs_text
-from ott_gguf.info import model_info
+from ott_gguf.info import ModelInfo, model_info
 from ott_gguf.kv_types import OTT_KV_TYPES, kv_pair_name, resolve_kv_pair, resolve_kv_types
 from ott_gguf.server import server_command
 
@@ -175,70 +176,53 @@ def test_v_rotate_reaches_the_cache(smollm2: Path, doc_tokens: list[int]) -> Non
     assert plain.ott_config is not None and plain.ott_config.v_rotate is OttConfig().v_rotate
 
 
-def test_k_mix_reaches_the_cache_and_its_state(smollm2: Path, doc_tokens: list[int]) -> None:
-    """k_mix on (the default) and off each run as asked: 3-bit keys change their logits once a group is sealed and
-    take D/4 more bytes per head and group (the width table); 2-bit keys are untouched; a state saved with k_mix
-    continues identically in a k_mix cache and is refused by one without, naming k_mix."""
+def k_mix_bytes(info: ModelInfo) -> int:
+    """What k_mix on adds to the quantized bytes: D/4 per head and group (3-bit keys' width table)."""
+    n_groups = (N_CTX - OttConfig().R) // OttConfig().G
+    return info.n_layer * info.n_head_kv * n_groups * info.head_dim_k // 4
+
+
+def v_sym_bytes(info: ModelInfo) -> int:
+    """What v_sym on saves on the quantized bytes: 2 per V block (no min)."""
+    n_groups = (N_CTX - OttConfig().R) // OttConfig().G
+    return -2 * info.n_layer * info.n_head_kv * n_groups * OttConfig().G * info.head_dim_v // OttConfig().Gv
+
+
+# (field, the cache type whose bytes it changes, the one it leaves alone, the bytes on minus off)
+SWITCHES = [("k_mix", "ott3/ott2", "ott2", k_mix_bytes), ("v_sym", "ott3/ott2", "ott3", v_sym_bytes)]
+
+
+@pytest.mark.parametrize(("field", "kv_type", "untouched", "delta"), SWITCHES, ids=[s[0] for s in SWITCHES])
+def test_a_format_switch_reaches_the_cache_and_its_state(
+    smollm2: Path, doc_tokens: list[int], field: str, kv_type: str, untouched: str, delta: Callable[[ModelInfo], int]
+) -> None:
+    """k_mix (3-bit keys' per-channel widths) and v_sym (2-bit values without a min), each on and off, run as asked:
+    they change the logits once a group is sealed and the quantized bytes by exactly their format's difference; a
+    cache of the type they do not apply to keeps its bytes; a state saved with the switch on continues identically
+    in a cache with it on and is refused by one with it off, naming the switch."""
     logits, quantized, states = {}, {}, {}
-    for k_mix in (True, False):
-        llm = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"k_mix": k_mix}, n_ctx=N_CTX, n_threads=1,
-                    verbose=False)  # fmt: skip
-        assert llm.ott_config is not None and llm.ott_config.k_mix is k_mix
+    for on in (True, False):
+        llm = Llama(str(smollm2), kv_type=kv_type, ott_config={field: on}, n_ctx=N_CTX, n_threads=1, verbose=False)
+        assert llm.ott_config is not None and getattr(llm.ott_config, field) is on
         llm.eval(doc_tokens[:200])
         assert llm.kv_cache_info()["sealed"] == 128
-        states[k_mix] = llm.save_state()
+        states[on] = llm.save_state()
         llm.eval(doc_tokens[200:201])
-        logits[k_mix] = last_logits(llm)
-        quantized[k_mix] = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
+        logits[on] = last_logits(llm)
+        quantized[on] = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
         llm.close()
     assert np.isfinite(logits[True]).all() and not np.array_equal(logits[True], logits[False])
-    info = model_info(smollm2)
-    n_groups = (N_CTX - OttConfig().R) // OttConfig().G
-    assert quantized[True] - quantized[False] == info.n_layer * info.n_head_kv * n_groups * info.head_dim_k // 4
-    same = Llama(str(smollm2), kv_type="ott3/ott2", n_ctx=N_CTX, n_threads=1, verbose=False)
+    assert quantized[True] - quantized[False] == delta(model_info(smollm2))
+    same = Llama(str(smollm2), kv_type=kv_type, ott_config={field: True}, n_ctx=N_CTX, n_threads=1, verbose=False)
     same.load_state(states[True])
     same.eval(doc_tokens[200:201])
     np.testing.assert_array_equal(last_logits(same), logits[True])
-    off = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"k_mix": False}, n_ctx=N_CTX, verbose=False)
-    with pytest.raises(ValueError, match=r"configuration: k_mix=1, this cache has k_mix=0"):
+    off = Llama(str(smollm2), kv_type=kv_type, ott_config={field: False}, n_ctx=N_CTX, verbose=False)
+    with pytest.raises(ValueError, match=rf"configuration: {field}=1, this cache has {field}=0"):
         off.load_state(states[True])
-    two = [Llama(str(smollm2), kv_type="ott2", ott_config={"k_mix": m}, n_ctx=N_CTX, verbose=False)
-           for m in (True, False)]  # fmt: skip
+    two = [Llama(str(smollm2), kv_type=untouched, ott_config={field: on}, n_ctx=N_CTX, verbose=False)
+           for on in (True, False)]  # fmt: skip
     assert len({int(x.kv_cache_info()["bytes"]["quantized"]) for x in two}) == 1  # type: ignore[index]
-
-
-def test_v_sym_reaches_the_cache_and_its_state(smollm2: Path, doc_tokens: list[int]) -> None:
-    """v_sym on and off each run as asked: 2-bit values change their logits once a group is sealed and take 2 bytes
-    less per V block (no min); 3-bit values are untouched; a state saved with v_sym continues identically in a v_sym
-    cache and is refused by one without, naming v_sym."""
-    logits, quantized, states = {}, {}, {}
-    for v_sym in (True, False):
-        llm = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"v_sym": v_sym}, n_ctx=N_CTX, n_threads=1,
-                    verbose=False)  # fmt: skip
-        assert llm.ott_config is not None and llm.ott_config.v_sym is v_sym
-        llm.eval(doc_tokens[:200])
-        assert llm.kv_cache_info()["sealed"] == 128
-        states[v_sym] = llm.save_state()
-        llm.eval(doc_tokens[200:201])
-        logits[v_sym] = last_logits(llm)
-        quantized[v_sym] = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
-        llm.close()
-    assert np.isfinite(logits[True]).all() and not np.array_equal(logits[True], logits[False])
-    info = model_info(smollm2)
-    n_groups = (N_CTX - OttConfig().R) // OttConfig().G
-    v_blocks = info.n_layer * info.n_head_kv * n_groups * OttConfig().G * info.head_dim_v // OttConfig().Gv
-    assert quantized[False] - quantized[True] == 2 * v_blocks
-    same = Llama(str(smollm2), kv_type="ott3/ott2", ott_config={"v_sym": True}, n_ctx=N_CTX, n_threads=1,
-                 verbose=False)  # fmt: skip
-    same.load_state(states[True])
-    same.eval(doc_tokens[200:201])
-    np.testing.assert_array_equal(last_logits(same), logits[True])
-    off = Llama(str(smollm2), kv_type="ott3/ott2", n_ctx=N_CTX, verbose=False)
-    with pytest.raises(ValueError, match=r"configuration: v_sym=1, this cache has v_sym=0"):
-        off.load_state(states[True])
-    three = [Llama(str(smollm2), kv_type="ott3", ott_config={"v_sym": s}, n_ctx=N_CTX, verbose=False)
-             for s in (True, False)]  # fmt: skip
-    assert len({int(x.kv_cache_info()["bytes"]["quantized"]) for x in three}) == 1  # type: ignore[index]
 
 
 def test_state_and_pickle_keep_the_pair(smollm2: Path, doc_tokens: list[int]) -> None:
