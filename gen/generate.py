@@ -7,7 +7,9 @@ content changes (FlashInfer's write_if_different), so the build recompiles only 
 Targets:
   ggml     what the ott caches run in the build, for every (K width, V width) pair of the cache types: the
            per-head kernels of ggml-cpu and libllama (ott2-head.{h,c}) and the cache's ops as CUDA (ott2-cuda-ops.cu)
-           and as their CPU emulation for the tests (ott2-emu-ops.cpp), with their header ott2-cuda.h.
+           and as their CPU emulation for the tests (ott2-emu-ops.cpp), with their header ott2-cuda.h; the ops
+           ported to Vulkan as GLSL compute shaders from the same template (ott2-vk-<kernel>.comp, compiled to
+           SPIR-V by the build) and their table ott2-vk.h.
   kernels  a stand-alone kernel library for the tests only (never installed): every (bits, group) config for
            every ISA of the architecture, each ISA in its own file so it is compiled with its own flags, plus a
            table.
@@ -59,6 +61,11 @@ V_SYM_BITS = 2  # v_sym changes 2-bit values only (at 3 bits the min pays for it
 # vector width in floats per ISA
 WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 4}
 Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
+# the ott ops' kernels that have a Vulkan rendering (ott_cuda_ops.j2, mode glsl): their storage buffers in binding
+# order (name in ott_cu_args, GLSL type, access); native/ggml/ggml-vulkan-ott.cpp binds them in this order
+VK_BINDINGS: dict[str, list[tuple[str, str, str]]] = {
+    "attn_merge": [("part", "float", "readonly"), ("out", "float", "writeonly")],
+}
 
 
 @dataclass(frozen=True)
@@ -243,7 +250,7 @@ def env() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    e.globals.update(WIDTH=WIDTH, Q8_1_BLOCK=Q8_1_BLOCK)
+    e.globals.update(WIDTH=WIDTH, Q8_1_BLOCK=Q8_1_BLOCK, VK_BINDINGS=VK_BINDINGS)
     return e
 
 
@@ -294,14 +301,21 @@ def gen_ggml(out: Path, G: int, Gv: int) -> dict[str, str]:
     e = env()
     heads = build_heads(G, Gv)
     ph = heads_param(heads)
-    return {
+    files = {
         "ott2-head.h": render(e, "llama_head.h.j2", ph, heads=heads),
         "ott2-head.c": render(e, "llama_head.c.j2", ph, heads=heads),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=heads, modes=["cuda", "emu"], table=True),
         "ott2-cuda-ops.cu": render_cuda_ops(e, heads, "cuda"),
         # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
         "ott2-emu-ops.cpp": render_cuda_ops(e, heads, "emu"),
+        "ott2-vk.h": render(e, "ott_vk.h.j2", "", kernels=list(VK_BINDINGS)),
     }
+    for k in VK_BINDINGS:
+        # the merge reads no cache state: one shader serves every head config
+        files[f"ott2-vk-{k}.comp"] = header("ott_cuda_ops.j2", f"mode=glsl, vk_kernel={k}") + e.get_template(
+            "ott_cuda_ops.j2"
+        ).render(hc=heads[0], mode="glsl", vk_kernel=k)
+    return files
 
 
 def gen_kernels(out: Path, configs: list[Config], heads: list[HeadConfig], arch: str) -> dict[str, str]:

@@ -1,0 +1,75 @@
+// ott-gguf test library: the ott ops on a Vulkan device through ggml's backend API, with the CUDA test entry
+// points' contract (host buffers in ott_cu_args; tests/cuda_ops.py). Every tensor of the op lives in one buffer of
+// the device; the graph holds only the ops under test, so their inputs are exactly what the host gave.
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-ott.h"
+#include "ott2-cuda.h"
+
+#include <cstdio>
+#include <cstring>
+
+// the device's name in ggml (Vulkan0, ...), or NULL
+extern "C" const char * ott_vktest_device(int i) {
+    char name[32];
+    snprintf(name, sizeof(name), "Vulkan%d", i);
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(name);
+    return dev ? ggml_backend_dev_description(dev) : nullptr;
+}
+
+// the merge of host partials a->part into a->out on Vulkan device `device`. The head config (kbits, vbits, flags
+// as GGML_OTT_*, G, Gv) and the bytes of one head's sealed K and V group (kgb, vgb) shape the state tensors the
+// partials' op names. 0 on success; -1: no such device, -2: the device refuses the op, -3: compute failed.
+extern "C" int ott_vktest_merge(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags,
+        int32_t G, int32_t Gv, int64_t kgb, int64_t vgb) {
+    char name[32];
+    snprintf(name, sizeof(name), "Vulkan%d", device);
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(name);
+    if (!dev) {
+        return -1;
+    }
+    ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
+    if (!backend) {
+        return -1;
+    }
+    ggml_init_params ip = { 32*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_ott_params p = {};
+    p.D = a->D; p.H = a->H; p.n_head = a->n_head; p.G = G; p.Gv = Gv; p.T = a->T; p.S = a->S; p.NG = a->NG;
+    p.n_stream = a->n_stream; p.outlier_num = a->outlier_num; p.aux_cap = a->aux_cap; p.NS = a->NS;
+    p.scale = a->scale; p.kbits = kbits; p.vbits = vbits; p.flags = flags;
+    const int64_t rows = (int64_t) a->ns*a->n_tok;
+    ggml_tensor * q     = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->D, a->n_head, rows);
+    ggml_tensor * k     = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->D, a->H, rows);
+    ggml_tensor * v     = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->D, a->H, rows);
+    ggml_tensor * ring  = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, a->D, a->H, a->T, 2*a->n_stream);
+    ggml_tensor * sk    = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, kgb, a->NG, a->H, a->n_stream);
+    ggml_tensor * sv    = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, vgb, a->NG, a->H, a->n_stream);
+    ggml_tensor * pkv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, a->D, a->S, 2, (int64_t) a->H*a->n_stream);
+    ggml_tensor * pmeta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 2*a->S + 3, a->H, a->n_stream);
+    ggml_tensor * plan  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 4, a->ns);
+    ggml_tensor * part  = ggml_ott_attn_part(ctx, q, k, v, ring, sk, sv, pkv, pmeta, plan, &p);
+    ggml_tensor * out   = ggml_ott_attn(ctx, part, rows, &p);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+
+    int rc = 0;
+    if (!ggml_backend_supports_op(backend, out)) {
+        rc = -2;
+    } else {
+        ggml_backend_tensor_set(part, a->part, 0, ggml_nbytes(part));
+        ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_graph_add_node(gf, out);
+        out->flags |= GGML_TENSOR_FLAG_COMPUTE; // what ggml_build_forward_expand marks: backends skip other nodes
+        if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
+            rc = -3;
+        } else {
+            ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
+        }
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    ggml_backend_free(backend);
+    return rc;
+}

@@ -1,0 +1,100 @@
+"""The ott ops on a Vulkan device, driven from the tests through the test library ott_vk_test
+(native/tests/ott-vk-test.cpp: ggml's backend API, every tensor in one buffer of the device).
+
+ggml-vulkan picks its devices once per process, and it hides CPU devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
+names them; the test process has usually initialized ggml already. So the library runs in a worker process of its
+own (`python vk_ops.py LIB`), started with that variable, fed jobs over a pipe: `VkWorker.merge` sends one op's
+inputs and returns what the device computed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+SCALARS = ("D", "H", "n_head", "T", "S", "NG", "NS", "ns", "n_tok", "n_stream", "outlier_num", "aux_cap", "scale",
+           "v_rotate")  # fmt: skip
+DEFS = """
+const char * ott_vktest_device(int i);
+int ott_vktest_merge(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
+                     int32_t Gv, int64_t kgb, int64_t vgb);
+"""
+
+
+def _send(f: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _recv(f: BinaryIO) -> Any:
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError("the Vulkan worker ended")
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(f.read(n))  # noqa: S301 (our own child process)
+
+
+class VkWorker:
+    """A worker process holding the test library on one Vulkan device (Vulkan0 by default)."""
+
+    def __init__(self, lib: Path, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        self.proc = subprocess.Popen([sys.executable, __file__, str(lib)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)  # fmt: skip
+        assert self.proc.stdin and self.proc.stdout
+        self.device: str | None = _recv(self.proc.stdout)
+
+    def merge(self, scalars: dict[str, float], head: dict[str, int], part: np.ndarray, out_shape: tuple) -> np.ndarray:
+        """OTT_ATTN (the merge) of `part` on the device; raises on a device error or refusal."""
+        assert self.proc.stdin and self.proc.stdout
+        _send(self.proc.stdin, ("merge", scalars, head, np.ascontiguousarray(part, np.float32), out_shape))
+        rc, out = _recv(self.proc.stdout)
+        if rc != 0:
+            raise RuntimeError(f"ott_vktest_merge returned {rc} (-1 no device, -2 refused, -3 compute failed)")
+        return out
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _serve(lib_path: str) -> None:
+    import cffi
+    from cuda_ops import CDEF
+
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF + DEFS)
+    lib: Any = ffi.dlopen(lib_path)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # ggml's and the driver's prints must not reach the pipe
+    d = lib.ott_vktest_device(0)
+    _send(out, ffi.string(d).decode() if d != ffi.NULL else None)
+    while True:
+        try:
+            op, scalars, head, part, out_shape = _recv(inp)
+        except EOFError:
+            return
+        assert op == "merge"
+        a = ffi.new("ott_cu_args *")
+        for k, v in scalars.items():
+            setattr(a, k, v)
+        res = np.full(out_shape, np.nan, np.float32)
+        a.part = ffi.cast("float *", ffi.from_buffer(part))
+        a.out = ffi.cast("float *", ffi.from_buffer(res))
+        rc = lib.ott_vktest_merge(a, 0, head["kbits"], head["vbits"], head["flags"], head["G"], head["Gv"],
+                                  head["kgb"], head["vgb"])  # fmt: skip
+        _send(out, (rc, res))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _serve(sys.argv[1])
