@@ -65,7 +65,12 @@ Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
 # order (name in ott_cu_args, GLSL type, access); native/ggml/ggml-vulkan-ott.cpp binds them in this order
 VK_BINDINGS: dict[str, list[tuple[str, str, str]]] = {
     "attn_merge": [("part", "float", "readonly"), ("out", "float", "writeonly")],
-}
+    "attn_part": [("q", "float", "readonly"), ("k", "float", "readonly"), ("v", "float", "readonly"),
+                  ("ring", "uint16_t", "readonly"), ("sk", "uint8_t", "readonly"), ("sv", "uint8_t", "readonly"),
+                  ("pkv", "uint16_t", "readonly"), ("pmeta", "int", "readonly"), ("plan", "int", "readonly"),
+                  ("part", "float", "writeonly")],
+}  # fmt: skip
+VK_SHARED_KERNELS = ("attn_merge",)  # read no cache state: one shader for every head config
 
 
 @dataclass(frozen=True)
@@ -308,13 +313,17 @@ def gen_ggml(out: Path, G: int, Gv: int) -> dict[str, str]:
         "ott2-cuda-ops.cu": render_cuda_ops(e, heads, "cuda"),
         # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
         "ott2-emu-ops.cpp": render_cuda_ops(e, heads, "emu"),
-        "ott2-vk.h": render(e, "ott_vk.h.j2", "", kernels=list(VK_BINDINGS)),
     }
+    shaders = []  # (name, kernel, head config or None): ott2-vk-<name>.comp each
     for k in VK_BINDINGS:
-        # the merge reads no cache state: one shader serves every head config
-        files[f"ott2-vk-{k}.comp"] = header("ott_cuda_ops.j2", f"mode=glsl, vk_kernel={k}") + e.get_template(
-            "ott_cuda_ops.j2"
-        ).render(hc=heads[0], mode="glsl", vk_kernel=k)
+        for hc in [None] if k in VK_SHARED_KERNELS else heads:
+            name = k if hc is None else f"{hc.tag}-{k}"
+            h = hc or heads[0]
+            params = f"mode=glsl, vk_kernel={k}, heads={h.spec}"
+            text = e.get_template("ott_cuda_ops.j2").render(hc=h, mode="glsl", vk_kernel=k)
+            files[f"ott2-vk-{name}.comp"] = header("ott_cuda_ops.j2", params) + text
+            shaders.append((name, k, hc))
+    files["ott2-vk.h"] = render(e, "ott_vk.h.j2", ph, shaders=shaders)
     return files
 
 

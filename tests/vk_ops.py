@@ -3,8 +3,8 @@
 
 ggml-vulkan picks its devices once per process, and it hides CPU devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
 names them; the test process has usually initialized ggml already. So the library runs in a worker process of its
-own (`python vk_ops.py LIB`), started with that variable, fed jobs over a pipe: `VkWorker.merge` sends one op's
-inputs and returns what the device computed.
+own (`python vk_ops.py LIB`), started with that variable, fed jobs over a pipe: `VkWorker.attn` sends one ubatch's
+attention inputs and returns what the device computed.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ SCALARS = ("D", "H", "n_head", "T", "S", "NG", "NS", "ns", "n_tok", "n_stream", 
            "v_rotate")  # fmt: skip
 DEFS = """
 const char * ott_vktest_device(int i);
-int ott_vktest_merge(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
-                     int32_t Gv, int64_t kgb, int64_t vgb);
+int ott_vktest_attn(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
+                    int32_t Gv, int64_t kgb, int64_t vgb);
 """
 
 
@@ -52,14 +52,15 @@ class VkWorker:
         assert self.proc.stdin and self.proc.stdout
         self.device: str | None = _recv(self.proc.stdout)
 
-    def merge(self, scalars: dict[str, float], head: dict[str, int], part: np.ndarray, out_shape: tuple) -> np.ndarray:
-        """OTT_ATTN (the merge) of `part` on the device; raises on a device error or refusal."""
+    def attn(self, scalars: dict[str, float], head: dict[str, int], inputs: dict[str, np.ndarray],
+             part_shape: tuple, out_shape: tuple) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """The attention partials and their merge on the device: (part, out); raises on a device error or refusal."""
         assert self.proc.stdin and self.proc.stdout
-        _send(self.proc.stdin, ("merge", scalars, head, np.ascontiguousarray(part, np.float32), out_shape))
-        rc, out = _recv(self.proc.stdout)
+        _send(self.proc.stdin, (scalars, head, inputs, part_shape, out_shape))
+        rc, part, out = _recv(self.proc.stdout)
         if rc != 0:
-            raise RuntimeError(f"ott_vktest_merge returned {rc} (-1 no device, -2 refused, -3 compute failed)")
-        return out
+            raise RuntimeError(f"ott_vktest_attn returned {rc} (-1 no device, -2 refused, -3 compute failed)")
+        return part, out
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -78,21 +79,25 @@ def _serve(lib_path: str) -> None:
     sys.stdout = sys.stderr  # ggml's and the driver's prints must not reach the pipe
     d = lib.ott_vktest_device(0)
     _send(out, ffi.string(d).decode() if d != ffi.NULL else None)
+    ctypes = {"q": "float *", "k": "float *", "v": "float *", "ring": "uint16_t *", "sk": "uint8_t *",
+              "sv": "uint8_t *", "pkv": "uint16_t *", "pmeta": "int32_t *", "plan": "int32_t *"}  # fmt: skip
     while True:
         try:
-            op, scalars, head, part, out_shape = _recv(inp)
+            scalars, head, inputs, part_shape, out_shape = _recv(inp)
         except EOFError:
             return
-        assert op == "merge"
         a = ffi.new("ott_cu_args *")
         for k, v in scalars.items():
             setattr(a, k, v)
+        for k, arr in inputs.items():
+            setattr(a, k, ffi.cast(ctypes[k], ffi.from_buffer(arr)))
+        part = np.full(part_shape, np.nan, np.float32)
         res = np.full(out_shape, np.nan, np.float32)
         a.part = ffi.cast("float *", ffi.from_buffer(part))
         a.out = ffi.cast("float *", ffi.from_buffer(res))
-        rc = lib.ott_vktest_merge(a, 0, head["kbits"], head["vbits"], head["flags"], head["G"], head["Gv"],
-                                  head["kgb"], head["vgb"])  # fmt: skip
-        _send(out, (rc, res))
+        rc = lib.ott_vktest_attn(a, 0, head["kbits"], head["vbits"], head["flags"], head["G"], head["Gv"],
+                                 head["kgb"], head["vgb"])  # fmt: skip
+        _send(out, (rc, part, res))
 
 
 if __name__ == "__main__":

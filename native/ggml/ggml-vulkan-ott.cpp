@@ -4,6 +4,9 @@
 #include "ggml-vulkan-ott.h"
 #include "ggml-ott-args.h"
 
+#include <map>
+#include <mutex>
+
 // the launch grid of n workgroups: rows of at most maxComputeWorkGroupCount[0] (the shader drops the tail)
 static std::array<uint32_t, 3> ott_vk_grid(const vk_device & device, int64_t n) {
     const int64_t xmax = device->properties.limits.maxComputeWorkGroupCount[0];
@@ -17,21 +20,67 @@ static bool ott_vk_in_buffer_of(ggml_backend_dev_t dev, const ggml_tensor * t) {
     return t->buffer && ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) == dev;
 }
 
+// the shaders read the state's bytes and halves as 8- and 16-bit storage
+static bool ott_vk_device_features(const vk_device & device) {
+    static std::mutex mutex;
+    static std::map<const vk_device_struct *, bool> known;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = known.find(device.get());
+    if (it == known.end()) {
+        const auto f = device->physical_device.getFeatures2<vk::PhysicalDeviceFeatures2, vk::PhysicalDeviceVulkan11Features,
+                                                           vk::PhysicalDeviceVulkan12Features>();
+        const bool ok = f.get<vk::PhysicalDeviceVulkan12Features>().storageBuffer8BitAccess &&
+                        f.get<vk::PhysicalDeviceVulkan11Features>().storageBuffer16BitAccess;
+        it = known.emplace(device.get(), ok).first;
+    }
+    return it->second;
+}
+
+// the index of op's shader for `kernel` (its head config's), -1 if the build has none
+static int ott_vk_shader(const ggml_ott_params & p, const char * kernel) {
+    return ott2_vk_find(kernel, p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0, p.G, p.Gv);
+}
+
+// the shaders index with 32-bit ints (elements of float/int buffers, bytes of the sealed state)
+static bool ott_vk_indexable(const ggml_tensor * t) {
+    return ggml_nbytes(t) < (size_t) INT32_MAX;
+}
+
 bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, const ggml_tensor * op) {
-    (void) device;
+    const ggml_ott_params & p = *ggml_ott_get_params(op);
     switch (op->op) {
+        case GGML_OP_OTT_ATTN_PART: {
+            // reads the cache's state where it lives (never a copy of it) with the kernels of its head config;
+            // D up to 512 (4 channels per thread of 128), whole rotation units, sealed K groups as laid out here
+            const int i = ott_vk_shader(p, "attn_part");
+            if (i < 0 || !ott_vk_device_features(device) || p.D > 512 || p.D % p.Gv != 0 ||
+                ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0)) {
+                return false;
+            }
+            const ott2_vk_key & key = ott2_vk_keys[i];
+            if (op->src[4]->ne[0] != (int64_t) p.D*key.KB + (key.kmix ? p.D/4 : 0) ||
+                op->src[5]->ne[0] != (int64_t) p.G*(p.D/p.Gv)*key.VB) {
+                return false;
+            }
+            for (int s = 0; s < 9; ++s) {
+                if (!ott_vk_indexable(op->src[s]) || (s >= 3 && s < 8 && !ott_vk_in_buffer_of(dev, op->src[s]))) {
+                    return false;
+                }
+            }
+            return ott_vk_indexable(op);
+        }
         case GGML_OP_OTT_ATTN: {
-            // the merge of partials that were computed where the cache's state lives (never a copy of them)
+            // the merge of partials computed where the cache's state lives
             const ggml_tensor * part = op->src[0];
-            const ggml_ott_params & p = *ggml_ott_get_params(op);
             return part->op == GGML_OP_OTT_ATTN_PART && ott_vk_in_buffer_of(dev, part->src[3]) &&
+                   ott_vk_shader(p, "attn_merge") >= 0 &&
                    part->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 && ggml_is_contiguous(part) &&
                    ggml_is_contiguous(op) && part->ne[0] == p.D + 2 && op->ne[0] == p.D && op->ne[1] == p.n_head &&
                    part->ne[3] % (p.NS + 1) == 0 && op->ne[2] % (part->ne[3]/(p.NS + 1)) == 0 &&
-                   ggml_nelements(part) < INT32_MAX && ggml_nelements(op) < INT32_MAX; // the shaders' 32-bit indices
+                   ott_vk_indexable(part) && ott_vk_indexable(op);
         }
         default:
-            return false; // the partials and the seal have no Vulkan kernels yet: they stay where the cache is refused
+            return false; // the seal has no Vulkan kernel yet: a cache on a Vulkan layer is refused, never moved
     }
 }
 
@@ -45,13 +94,32 @@ static ott_vk_push ott_vk_push_of(const ggml_ott_params & p, int64_t ns, int64_t
     return pc;
 }
 
+void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
+    const ggml_ott_params & p = *ggml_ott_get_params(dst);
+    const int i = ott_vk_shader(p, "attn_part");
+    GGML_ASSERT(i >= 0);
+    const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
+    ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
+    const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
+    const ggml_tensor * const * s = dst->src;
+    ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
+        { ggml_vk_tensor_subbuffer(ctx, s[0]), ggml_vk_tensor_subbuffer(ctx, s[1]), ggml_vk_tensor_subbuffer(ctx, s[2]),
+          ggml_vk_tensor_subbuffer(ctx, s[3]), ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]),
+          ggml_vk_tensor_subbuffer(ctx, s[6]), ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]),
+          ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
+        ott_vk_grid(ctx->device, ns*p.H*(p.NS + 1)*((n_tok + 7)/8))); // OTT_TC = 8 tokens per unit
+}
+
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
     const ggml_tensor * part = dst->src[0];
     const ggml_ott_params & p = *ggml_ott_get_params(dst);
     // shapes from part F32 [D + 2, gq*n_tok, H, ns*(NS + 1)] and dst F32 [D, n_head, ns*n_tok]
     const int64_t ns = part->ne[3]/(p.NS + 1), n_tok = dst->ne[2]/ns;
     GGML_ASSERT(part->ne[0] == p.D + 2 && part->ne[1] == (int64_t) (p.n_head/p.H)*n_tok && part->ne[2] == p.H);
-    vk_pipeline & pipeline = ctx->device->pipeline_ott[OTT2_VK_ATTN_MERGE];
+    const int i = ott_vk_shader(p, "attn_merge");
+    GGML_ASSERT(i >= 0);
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,

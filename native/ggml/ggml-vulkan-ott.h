@@ -21,7 +21,8 @@ static_assert(OTT2_VK_COUNT <= sizeof(vk_device_struct::pipeline_ott)/sizeof(vk_
 // whether `dev` runs op (an ott op); the ops that read or write the cache's state run only where it lives
 bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, const ggml_tensor * op);
 
-// records an ott op's dispatch into subctx
+// record an ott op's dispatch into subctx (ops that supports_op accepted)
+void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 
 // from ggml_vk_load_shaders, with its pipeline create function: the ott pipelines, compiled on first use as

@@ -18,10 +18,11 @@ extern "C" const char * ott_vktest_device(int i) {
     return dev ? ggml_backend_dev_description(dev) : nullptr;
 }
 
-// the merge of host partials a->part into a->out on Vulkan device `device`. The head config (kbits, vbits, flags
-// as GGML_OTT_*, G, Gv) and the bytes of one head's sealed K and V group (kgb, vgb) shape the state tensors the
-// partials' op names. 0 on success; -1: no such device, -2: the device refuses the op, -3: compute failed.
-extern "C" int ott_vktest_merge(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags,
+// the attention (OTT_ATTN_PART, then OTT_ATTN) of the host tensors in `a` on Vulkan device `device`, into a->part
+// and a->out. The head config (kbits, vbits, flags as GGML_OTT_*, G, Gv) and the bytes of one head's sealed K and V
+// group (kgb, vgb) shape the state tensors. 0 on success; -1: no such device, -2: the device refuses an op,
+// -3: compute failed.
+extern "C" int ott_vktest_attn(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags,
         int32_t G, int32_t Gv, int64_t kgb, int64_t vgb) {
     char name[32];
     snprintf(name, sizeof(name), "Vulkan%d", device);
@@ -55,16 +56,23 @@ extern "C" int ott_vktest_merge(const ott_cu_args * a, int device, int32_t kbits
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
 
     int rc = 0;
-    if (!ggml_backend_supports_op(backend, out)) {
+    if (!ggml_backend_supports_op(backend, part) || !ggml_backend_supports_op(backend, out)) {
         rc = -2;
     } else {
-        ggml_backend_tensor_set(part, a->part, 0, ggml_nbytes(part));
+        const struct { ggml_tensor * t; const void * host; } ins[] = {
+            { q, a->q }, { k, a->k }, { v, a->v }, { ring, a->ring }, { sk, a->sk }, { sv, a->sv }, { pkv, a->pkv },
+            { pmeta, a->pmeta }, { plan, a->plan },
+        };
+        for (const auto & in : ins) {
+            ggml_backend_tensor_set(in.t, in.host, 0, ggml_nbytes(in.t));
+        }
         ggml_cgraph * gf = ggml_new_graph(ctx);
-        ggml_graph_add_node(gf, out);
-        out->flags |= GGML_TENSOR_FLAG_COMPUTE; // what ggml_build_forward_expand marks: backends skip other nodes
+        ggml_build_forward_expand(gf, out); // the inputs are leaves: only part and out are computed
         if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
             rc = -3;
         } else {
+            ggml_backend_synchronize(backend); // the compute may still run on the device: reads wait for it
+            ggml_backend_tensor_get(part, a->part, 0, ggml_nbytes(part));
             ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
         }
     }
