@@ -1,8 +1,9 @@
 """llama.cpp's Vulkan backend in this build, run on lavapipe (Mesa's Vulkan on the CPU, installed by the Makefile)
 where no GPU is present: AUTO builds it when its build dependencies are there, SmolLM2 with an f16 cache runs fully
 offloaded to Vulkan0 with the CPU's logits, and an ott cache on a Vulkan layer is refused with a clear error (the
-ott ops have no Vulkan code yet), never a crash or a silent move to the CPU; with -nkvo the ott cache stays on the
-CPU, by the user's choice, while the layers' weights run on Vulkan0 (llama-perplexity, and ott_gguf.Llama)."""
+seal has no Vulkan kernel yet; the attention ops do: test_vulkan_ops.py), never a crash or a silent move to the
+CPU; with -nkvo the ott cache stays on the CPU, by the user's choice, while the layers' weights run on Vulkan0
+(llama-perplexity, and ott_gguf.Llama)."""
 
 from __future__ import annotations
 

@@ -97,23 +97,16 @@ class VulkanAttention:
         out[...] = got  # the scenario checks the device's output against the reference
 
 
-# the build's head configs (G 128, Gv 64): SmolLM2's head shape, kivi2 (no pools), 4-bit, ott3 K with ott2 V stored
-# rotated, mixed-width keys with rotated V, and D 256 with two KV heads of one query head each
-VK_CASES = [CASES[i] for i in (0, 2, 4, 7, 9)] + [((2, 2, 128, 64), 256, 2, 2, 3, 32, False)]
-# Gemma 3's shape (D 256, one KV head of four query heads, 32 rows per workgroup) and mixed keys with symmetric V at
-# D 256: lavapipe (Mesa 22.3) returns wrong scores for a few rows (the last rows of some workgroups), the same rows
-# every run, with values that change when unrelated code is added to the shader; the emulation of the same kernel
-# matches the reference, and no race between the kernel's phases was found. Not explained yet: a driver bug, or a
-# race the emulation cannot show (the CUDA rendering has never run on a GPU either). No user reaches this path yet:
-# the seal has no Vulkan kernel, so an ott cache on a Vulkan layer is refused.
-VK_XFAIL = [CASES[1], CASES[12]]
+# the build's head configs (G 128, Gv 64): SmolLM2's head shape, Gemma 3's (D 256, one KV head), kivi2 (no pools),
+# 4-bit, ott3 K with ott2 V stored rotated, mixed-width keys with rotated V, those with symmetric V at D 256, D 256
+# with two KV heads of one query head each, and eight query heads per KV head (a workgroup's longest row loop)
+VK_CASES = [CASES[i] for i in (0, 1, 2, 4, 7, 9, 12)] + [
+    ((2, 2, 128, 64), 256, 2, 2, 3, 32, False),
+    ((2, 2, 128, 64), 64, 1, 8, 3, 32, False),
+]
 
 
-@pytest.mark.parametrize(
-    "case",
-    VK_CASES + [pytest.param(c, marks=pytest.mark.xfail(reason="wrong rows on lavapipe")) for c in VK_XFAIL],
-    ids=case_id,
-)
+@pytest.mark.parametrize("case", VK_CASES, ids=case_id)
 def test_vulkan_attention_matches_reference(emu: OpsLib, vk: VkWorker, case: tuple) -> None:
     lib = VulkanAttention(emu, vk)
     run_scenario(lib, case)  # type: ignore[arg-type]
