@@ -69,6 +69,10 @@ VK_BINDINGS: dict[str, list[tuple[str, str, str]]] = {
                   ("ring", "uint16_t", "readonly"), ("sk", "uint8_t", "readonly"), ("sv", "uint8_t", "readonly"),
                   ("pkv", "uint16_t", "readonly"), ("pmeta", "int", "readonly"), ("plan", "int", "readonly"),
                   ("part", "float", "writeonly")],
+    # the seal writes the state in place and reads back what other invocations of its workgroup wrote
+    "seal": [("k", "float", "readonly"), ("v", "float", "readonly"), ("ring", "uint16_t", "coherent"),
+             ("sk", "uint8_t", "coherent"), ("sv", "uint8_t", "coherent"), ("pkv", "uint16_t", "coherent"),
+             ("pmeta", "int", "coherent"), ("plan", "int", "readonly"), ("flags", "int", "coherent")],
 }  # fmt: skip
 VK_SHARED_KERNELS = ("attn_merge",)  # read no cache state: one shader for every head config
 

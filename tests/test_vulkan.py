@@ -1,9 +1,8 @@
 """llama.cpp's Vulkan backend in this build, run on lavapipe (Mesa's Vulkan on the CPU, installed by the Makefile)
-where no GPU is present: AUTO builds it when its build dependencies are there, SmolLM2 with an f16 cache runs fully
-offloaded to Vulkan0 with the CPU's logits, and an ott cache on a Vulkan layer is refused with a clear error (the
-seal has no Vulkan kernel yet; the attention ops do: test_vulkan_ops.py), never a crash or a silent move to the
-CPU; with -nkvo the ott cache stays on the CPU, by the user's choice, while the layers' weights run on Vulkan0
-(llama-perplexity, and ott_gguf.Llama)."""
+where no GPU is present: AUTO builds it when its build dependencies are there, SmolLM2 with an f16 cache and with
+an ott2 cache runs fully offloaded to Vulkan0 with the CPU's logits (the ott ops on Vulkan: test_vulkan_ops.py
+checks each against the reference); with -nkvo the ott cache stays on the CPU, by the user's choice, while the
+layers' weights run on Vulkan0 (llama-perplexity, and ott_gguf.Llama)."""
 
 from __future__ import annotations
 
@@ -87,14 +86,37 @@ def vk_env() -> dict[str, str]:
     return env
 
 
-def vulkan0_against_cpu(env: dict[str, str], model: Path, text: Path, kv: str, tmp_path: Path, *extra: str) -> str:
-    """llama-perplexity's log of every layer on Vulkan0 (plus `extra` flags), KL divergence against the CPU-only
-    run of the same cache type."""
-    base = tmp_path / "cpu.kld"
-    r = perplexity(env, model, text, kv, "-ngl", "0", "-dev", "none", "--kl-divergence-base", str(base))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = perplexity(env, model, text, kv, "-ngl", "99", "-dev", "Vulkan0", *extra, "--kl-divergence-base", str(base),
-                   "--kl-divergence")  # fmt: skip
+@pytest.fixture(scope="module")
+def cpu_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], Path]:
+    """The logits of llama-perplexity runs kept as KL-divergence bases, by their flags (each run once per module)."""
+    return {}
+
+
+def logits_of(bases: dict[tuple[str, ...], Path], env: dict[str, str], model: Path, text: Path, kv: str,
+              tmp_path: Path, *flags: str) -> Path:  # fmt: skip
+    key = (kv, *flags)
+    if key not in bases:
+        base = tmp_path / f"base-{len(bases)}.kld"
+        r = perplexity(env, model, text, kv, *flags, "--kl-divergence-base", str(base))
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        bases[key] = base
+    return bases[key]
+
+
+# every layer on the CPU; every layer on Vulkan0 (its cache too, unless -nkvo)
+CPU_ONLY = ("-ngl", "0", "-dev", "none")
+ALL_VULKAN0 = ("-ngl", "99", "-dev", "Vulkan0")
+# the ott tests' ubatches: four per chunk, so that later ubatches attend to sealed groups (the first is sealed
+# after the third, R + G = 160 tokens kept fp16)
+OTT_UB = ("-ub", "64")
+
+
+def vulkan0_against(bases: dict[tuple[str, ...], Path], env: dict[str, str], model: Path, text: Path, kv: str,
+                    tmp_path: Path, base_flags: tuple[str, ...], *extra: str) -> str:  # fmt: skip
+    """llama-perplexity's log of every layer on Vulkan0 (plus `extra` flags), KL divergence against the run with
+    base_flags (plus the same `extra`) of the same cache type."""
+    base = logits_of(bases, env, model, text, kv, tmp_path, *base_flags, *extra)
+    r = perplexity(env, model, text, kv, *ALL_VULKAN0, *extra, "--kl-divergence-base", str(base), "--kl-divergence")
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert f"offloaded {LAYERS}/{LAYERS} layers to GPU" in log, log[-3000:]
@@ -103,9 +125,9 @@ def vulkan0_against_cpu(env: dict[str, str], model: Path, text: Path, kv: str, t
 
 @needs_vulkan
 def test_f16_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
-    smollm2: Path, text: Path, vk_env: dict[str, str], tmp_path: Path
+    smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
-    log = vulkan0_against_cpu(vk_env, smollm2, text, "f16", tmp_path)
+    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "f16", tmp_path, CPU_ONLY)
     assert re.search(r"Vulkan0 KV buffer size", log), log[-3000:]
     num = perplexity_numbers(log)
     # other kernels (ggml-vulkan's matmuls and flash attention against ggml-cpu's, which quantizes the activations
@@ -115,27 +137,37 @@ def test_f16_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
 
 
 @needs_vulkan
-def test_ott_cache_on_a_vulkan_layer_is_refused_with_a_clear_error(
-    smollm2: Path, text: Path, vk_env: dict[str, str]
+def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
+    smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
-    r = perplexity(vk_env, smollm2, text, "ott2", "-ngl", "99", "-dev", "Vulkan0")
-    log = r.stdout + r.stderr
-    # an error exit, not a signal (abort, segfault) and not a run that moved the cache to the CPU
-    assert r.returncode == 1, (r.returncode, log[-3000:])
-    assert "ott2: layer 0 is offloaded to Vulkan, which has no ott ops" in log, log[-3000:]
-    assert "-nkvo" in log
-    assert "ott2 cache on" not in log
+    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "ott2", tmp_path, CPU_ONLY, *OTT_UB, "-nkvo")
+    assert "ott2 cache on CPU" in log and "ott2 cache on Vulkan" not in log, log[-3000:]
+    num = perplexity_numbers(log)
+    print(f"ott2 on the CPU, the layers on Vulkan0, against all on the CPU: {num}")
+    # the same cache and ops on the CPU, the rest on Vulkan0: measured mean KLD 0.0108, top-1 88.2%
+    assert num["mean_kld"] <= 0.03 and num["top1"] >= 85.0, num
 
 
 @needs_vulkan
-def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
-    smollm2: Path, text: Path, vk_env: dict[str, str], tmp_path: Path
+def test_ott_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
+    smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
-    log = vulkan0_against_cpu(vk_env, smollm2, text, "ott2", tmp_path, "-nkvo")
-    assert "ott2 cache on CPU" in log and "ott2 cache on Vulkan" not in log, log[-3000:]
+    """Every layer and its ott2 cache on Vulkan0: the three ott ops run there (placed by ggml-vulkan's supports_op
+    with the state in its buffer, never on a copy; a seal on a copy would leave the cache unsealed), against all on
+    the CPU. Each op is checked alone in test_vulkan_ops.py (the state bit for bit); here the graph: placement,
+    barriers, ubatches that attend to groups sealed by earlier ones."""
+    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "ott2", tmp_path, CPU_ONLY, *OTT_UB)
+    assert "ott2 cache on Vulkan0" in log and "ott2 cache on CPU" not in log, log[-3000:]
+    assert re.search(r"n_ubatch\s+= 64", log), log[-3000:]
+    # the ops' placement: the graph is cut in two (the input embeddings' split and Vulkan0), as with f16; an ott op
+    # of a layer run elsewhere would add splits per layer and copies of the state (measured: splits = 2)
+    splits = [int(n) for n in re.findall(r"graph: nodes = \d+, splits = (\d+)", log)]
+    assert splits and max(splits) <= 2, splits
     num = perplexity_numbers(log)
-    # the same cache and ops on the CPU, the rest on Vulkan0: measured mean KLD 0.0099, top-1 93.7%
-    assert num["mean_kld"] <= 0.03 and num["top1"] >= 85.0, num
+    print(f"ott2 on Vulkan0 against all on the CPU: {num}")
+    # measured on lavapipe (llvmpipe, LLVM 15.0.6): mean KLD 0.0088, top-1 88.2% (255 tokens), as f16's
+    # difference above (the weights' kernels); a wrong op costs far more (ott2 against f16: about 0.05)
+    assert num["mean_kld"] <= 0.02 and num["top1"] >= 85.0, num
 
 
 # ott_gguf.Llama in a process of its own: GGML_VK_VISIBLE_DEVICES must be set before ggml registers its backends
@@ -143,29 +175,25 @@ LLAMA_SCRIPT = """
 import json, sys
 from ott_gguf import Llama
 out = {}
-try:
-    Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, verbose=False)
-    out["refused"] = None
-except ValueError as e:
-    out["refused"] = str(e)
-llm = Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, offload_kqv=False, n_ctx=512, verbose=False)
 msg = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-r = llm.create_chat_completion(msg, max_tokens=32, temperature=0.0)
-out["answer"] = r["choices"][0]["message"]["content"]
-llm.close()
+for name, kw in (("vulkan", {}), ("cpu_cache", {"offload_kqv": False})):
+    llm = Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, verbose=False, **kw)
+    r = llm.create_chat_completion(msg, max_tokens=32, temperature=0.0)
+    out[name] = r["choices"][0]["message"]["content"]
+    llm.close()
 print(json.dumps(out))
 """
 
 
 @needs_vulkan
-def test_python_llama_refuses_ott_on_vulkan_and_answers_with_the_cache_on_the_cpu(
+def test_python_llama_answers_with_the_ott_cache_on_vulkan0_and_on_the_cpu(
     smollm2: Path, vk_env: dict[str, str]
 ) -> None:
-    r = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT, str(smollm2)], capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT, str(smollm2)], capture_output=True, text=True, timeout=900,
                        env=vk_env)  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["refused"] is not None and "ott2: layer 0 is offloaded to Vulkan, which has no ott ops" in out["refused"]
-    # greedy, weights on Vulkan0 and the ott2 cache on the CPU (offload_kqv=False); measured: "The capital of
-    # France is Paris.", as on the CPU alone
-    assert "Paris" in out["answer"], out
+    print(out)
+    # greedy, weights on Vulkan0, the ott2 cache there or (offload_kqv=False) on the CPU; measured: "The capital of
+    # France is Paris." from both, as on the CPU alone
+    assert "Paris" in out["vulkan"] and "Paris" in out["cpu_cache"], out

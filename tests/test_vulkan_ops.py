@@ -3,11 +3,11 @@ there is no GPU), against the numpy reference.
 
 gen/templates/ott_cuda_ops.j2 renders the CUDA kernels, their CPU emulation and, kernel by kernel, the same phases
 as GLSL compute shaders (mode glsl), which the build compiles to SPIR-V for ggml-vulkan (patch 0006,
-native/ggml/ggml-vulkan-ott.cpp). Ported so far: the attention, partials (OTT_ATTN_PART) and merge (OTT_ATTN). The
-scenarios of test_cuda_emu.py run with the attention on the Vulkan device and the seal in the emulation: after every
-ubatch the Vulkan output must match the reference within the emulation's bounds, and the emulation's own output
-within fp32 rounding (the device's expf differs by ulps). The seal has no Vulkan kernel yet: the device refuses it,
-so an ott cache on a Vulkan layer is refused (test_vulkan.py), never moved to the CPU.
+native/ggml/ggml-vulkan-ott.cpp): the attention, partials (OTT_ATTN_PART) and merge (OTT_ATTN), and the seal
+(OTT_SEAL). The scenarios of test_cuda_emu.py run with every op on the Vulkan device and in the emulation on the same
+inputs: after every ubatch the state the device sealed must equal the emulation's bit for bit, and then (as the
+scenario checks) the reference's; the device's attention output must match the reference within the emulation's
+bounds, and the emulation's own output within fp32 rounding (the device's expf differs by ulps).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cuda_ops import OpsLib, build_emu, generate, head_spec, head_tag
+from cuda_ops import LayerState, OpsLib, build_emu, generate, head_spec, head_tag
 from native_build import built_lib
 from test_cuda_emu import CASES, HEADS, TAGS, case_id, run_scenario
 from vk_ops import SCALARS, VkWorker
@@ -49,48 +49,69 @@ def vk() -> Iterator[VkWorker]:
         w.close()
 
 
-class VulkanAttention:
-    """An OpsLib whose attention runs on the Vulkan device: the emulation seals (and computes its own attention,
-    kept for the comparison); the device computes the partials and their merge from the same state, and its output
-    is what the scenario checks against the reference."""
+class VulkanOps:
+    """An OpsLib whose ops run on the Vulkan device. The emulation runs them too, on the same inputs, for the
+    comparison: the device's attention output (within fp32 rounding of the emulation's) and the state the device's
+    seal wrote (bit for bit the emulation's) are what the scenario then checks against the reference. attn=False
+    or seal=False leave that op to the emulation alone."""
 
-    def __init__(self, emu: OpsLib, vk: VkWorker) -> None:
-        self.emu, self.vk, self.ffi = emu, vk, emu.ffi
+    def __init__(self, emu: OpsLib, vk: VkWorker, attn: bool = True, seal: bool = True) -> None:
+        self.emu, self.vk, self.ffi, self.attn, self.seal = emu, vk, emu.ffi, attn, seal
         self.heads = {head_tag(*h): h for h in HEADS}
         self.max_rel = 0.0  # largest |vulkan - emulation| / max |emulation| over the ubatches
         self.runs = 0
+        self.seals = 0
 
     def _array(self, ptr: Any, dtype: type, n: int) -> np.ndarray:
         return np.frombuffer(self.ffi.buffer(ptr, np.dtype(dtype).itemsize * n), dtype)
 
-    def run(self, tag: str, op: str, a: Any) -> None:
-        self.emu.run(tag, op, a)
-        if op != "attn":
-            return
+    def _head(self, tag: str, a: Any) -> dict[str, int]:
         kbits, vbits, G, Gv, *rest = self.heads[tag]
         k_mix, v_sym = (bool(f) for f in (*rest, False, False)[:2])
         c = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, k_mix=k_mix, v_sym=v_sym)
-        head = {
+        return {
             "kbits": kbits, "vbits": vbits, "G": G, "Gv": Gv,
             "flags": (GGML_OTT_V_ROTATE if a.v_rotate else 0) | (GGML_OTT_K_MIX if k_mix else 0)
             | (GGML_OTT_V_SYM if v_sym else 0),
             "kgb": a.D * c.k_format.block_bytes + (a.D // 4 if k_mix else 0),
             "vgb": G * (a.D // Gv) * c.v_format.block_bytes,
         }  # fmt: skip
+
+    def _views(self, a: Any, head: dict[str, int], names: tuple[str, ...]) -> dict[str, np.ndarray]:
         rows, hs = a.ns * a.n_tok, a.H * a.n_stream
         sizes = {
             "q": (np.float32, rows * a.n_head * a.D), "k": (np.float32, rows * a.H * a.D),
             "v": (np.float32, rows * a.H * a.D), "ring": (np.uint16, a.D * a.H * a.T * 2 * a.n_stream),
             "sk": (np.uint8, head["kgb"] * a.NG * hs), "sv": (np.uint8, head["vgb"] * a.NG * hs),
             "pkv": (np.uint16, a.D * a.S * 2 * hs), "pmeta": (np.int32, (2 * a.S + 3) * hs),
-            "plan": (np.int32, 4 * a.ns),
+            "plan": (np.int32, 4 * a.ns), "flags": (np.int32, a.n_stream),
         }  # fmt: skip
-        inputs = {k: self._array(getattr(a, k), t, n).copy() for k, (t, n) in sizes.items()}
+        return {k: self._array(getattr(a, k), *sizes[k]) for k in names}
+
+    def run(self, tag: str, op: str, a: Any) -> None:
+        head = self._head(tag, a)
+        scalars = {k: getattr(a, k) for k in SCALARS}
+        if op == "seal" and self.seal:
+            views = self._views(a, head, ("k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
+            inputs = {k: x.copy() for k, x in views.items()}
+            self.emu.run(tag, op, a)  # in place: the emulation's state
+            got = self.vk.seal(scalars, head, inputs)
+            for k, x in got.items():
+                diff = np.flatnonzero(x != views[k])
+                assert diff.size == 0, f"{k}: the device's seal differs from the emulation's at {diff[:8]} of {x.size}"
+                views[k][...] = x
+            self.seals += 1
+            return
+        self.emu.run(tag, op, a)
+        if op != "attn" or not self.attn:
+            return
+        names = ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan")
+        inputs = {k: x.copy() for k, x in self._views(a, head, names).items()}
         gq = a.n_head // a.H
         part_shape = (a.ns * (a.NS + 1), a.H, gq * a.n_tok, a.D + 2)
         out_shape = (a.ns, a.n_tok, a.n_head, a.D)
-        out = self._array(a.out, np.float32, rows * a.n_head * a.D).reshape(out_shape)
-        _, got = self.vk.attn({k: getattr(a, k) for k in SCALARS}, head, inputs, part_shape, out_shape)
+        out = self._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
+        _, got = self.vk.attn(scalars, head, inputs, part_shape, out_shape)
         scale = max(float(np.abs(out).max()), 1e-30)
         self.max_rel = max(self.max_rel, float(np.abs(got - out).max()) / scale)
         self.runs += 1
@@ -107,19 +128,41 @@ VK_CASES = [CASES[i] for i in (0, 1, 2, 4, 7, 9, 12)] + [
 
 
 @pytest.mark.parametrize("case", VK_CASES, ids=case_id)
-def test_vulkan_attention_matches_reference(emu: OpsLib, vk: VkWorker, case: tuple) -> None:
-    lib = VulkanAttention(emu, vk)
+def test_vulkan_ops_match_reference(emu: OpsLib, vk: VkWorker, case: tuple) -> None:
+    lib = VulkanOps(emu, vk)
     run_scenario(lib, case)  # type: ignore[arg-type]
-    print(f"{vk.device}: {lib.runs} ubatches, max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")
-    assert lib.runs > 10
+    print(f"{vk.device}: {lib.runs} ubatches, {lib.seals} seals bit for bit, "
+          f"max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")  # fmt: skip
+    assert lib.runs > 10 and lib.seals == lib.runs
     # the same fp32 operations in the same order; only exp differs (Vulkan allows a few ulps)
     assert lib.max_rel <= 1e-5
 
 
+def test_vulkan_seal_flags_nonfinite_values_of_one_stream(emu: OpsLib, vk: VkWorker) -> None:
+    """A ubatch for stream 1 alone (the plan maps ubatch streams to cache streams); a NaN in K marks only that
+    stream, and its tokens are still written where the emulation writes them (bit for bit, VulkanOps)."""
+    cfg = ref.OttConfig(no_outlier_layers=0)
+    D, H, n_head = 64, 2, 4
+    lib = VulkanOps(emu, vk)
+    st = LayerState(cfg, 3, D, H, n_head, n_stream=3, n_ctx=512)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 5, n_head, D)).astype(np.float32)
+    k = rng.standard_normal((1, 5, H, D)).astype(np.float32)
+    v = rng.standard_normal((1, 5, H, D)).astype(np.float32)
+    out = st.step(lib, TAGS[0], [1], q, k, v, NS=1)  # type: ignore[arg-type]
+    assert np.isfinite(out).all()
+    assert st.n_pos == [0, 5, 0] and st.arrays["flags"].tolist() == [0, 0, 0]
+    k[0, 2, 1, 7] = np.nan
+    st.step(lib, TAGS[0], [1], q, k, v, NS=1)  # type: ignore[arg-type]
+    assert st.arrays["flags"].tolist() == [0, 1, 0] and lib.seals == 2
+
+
 def test_a_head_config_without_vulkan_kernels_is_refused(emu: OpsLib, vk: VkWorker) -> None:
-    """G 64 is not the build's group: the device refuses the op (the scheduler would then refuse the cache), it
-    neither runs a wrong kernel nor hands the op to another backend."""
+    """G 64 is not the build's group: the device refuses the ops (the cache is then refused), it neither runs a
+    wrong kernel nor hands the op to another backend."""
     case = CASES[5]
     assert case[0][2:4] == (64, 32)
     with pytest.raises(RuntimeError, match="returned -2"):
-        run_scenario(VulkanAttention(emu, vk), case)  # type: ignore[arg-type]
+        run_scenario(VulkanOps(emu, vk, seal=False), case)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="ott_vktest_seal returned -2"):
+        run_scenario(VulkanOps(emu, vk, attn=False), case)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@
 ggml-vulkan picks its devices once per process, and it hides CPU devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
 names them; the test process has usually initialized ggml already. So the library runs in a worker process of its
 own (`python vk_ops.py LIB`), started with that variable, fed jobs over a pipe: `VkWorker.attn` sends one ubatch's
-attention inputs and returns what the device computed.
+attention inputs and returns what the device computed, `VkWorker.seal` sends the state and returns it sealed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ DEFS = """
 const char * ott_vktest_device(int i);
 int ott_vktest_attn(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
                     int32_t Gv, int64_t kgb, int64_t vgb);
+int ott_vktest_seal(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
+                    int32_t Gv, int64_t kgb, int64_t vgb);
 """
+STATE = ("ring", "sk", "sv", "pkv", "pmeta", "flags")  # what the seal writes
 
 
 def _send(f: BinaryIO, obj: Any) -> None:
@@ -55,12 +58,24 @@ class VkWorker:
     def attn(self, scalars: dict[str, float], head: dict[str, int], inputs: dict[str, np.ndarray],
              part_shape: tuple, out_shape: tuple) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """The attention partials and their merge on the device: (part, out); raises on a device error or refusal."""
-        assert self.proc.stdin and self.proc.stdout
-        _send(self.proc.stdin, (scalars, head, inputs, part_shape, out_shape))
-        rc, part, out = _recv(self.proc.stdout)
+        rc, part, out = self._job(("attn", scalars, head, inputs, (part_shape, out_shape)))
         if rc != 0:
             raise RuntimeError(f"ott_vktest_attn returned {rc} (-1 no device, -2 refused, -3 compute failed)")
         return part, out
+
+    def seal(
+        self, scalars: dict[str, float], head: dict[str, int], inputs: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The seal on the device: the state arrays (STATE) as it wrote them; raises on a device error or refusal."""
+        rc, state = self._job(("seal", scalars, head, inputs, None))
+        if rc != 0:
+            raise RuntimeError(f"ott_vktest_seal returned {rc} (-1 no device, -2 refused, -3 compute failed)")
+        return state
+
+    def _job(self, job: tuple) -> Any:
+        assert self.proc.stdin and self.proc.stdout
+        _send(self.proc.stdin, job)
+        return _recv(self.proc.stdout)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -80,10 +95,11 @@ def _serve(lib_path: str) -> None:
     d = lib.ott_vktest_device(0)
     _send(out, ffi.string(d).decode() if d != ffi.NULL else None)
     ctypes = {"q": "float *", "k": "float *", "v": "float *", "ring": "uint16_t *", "sk": "uint8_t *",
-              "sv": "uint8_t *", "pkv": "uint16_t *", "pmeta": "int32_t *", "plan": "int32_t *"}  # fmt: skip
+              "sv": "uint8_t *", "pkv": "uint16_t *", "pmeta": "int32_t *", "plan": "int32_t *",
+              "flags": "int32_t *"}  # fmt: skip
     while True:
         try:
-            scalars, head, inputs, part_shape, out_shape = _recv(inp)
+            kind, scalars, head, inputs, shapes = _recv(inp)
         except EOFError:
             return
         a = ffi.new("ott_cu_args *")
@@ -91,12 +107,17 @@ def _serve(lib_path: str) -> None:
             setattr(a, k, v)
         for k, arr in inputs.items():
             setattr(a, k, ffi.cast(ctypes[k], ffi.from_buffer(arr)))
+        hargs = (head["kbits"], head["vbits"], head["flags"], head["G"], head["Gv"], head["kgb"], head["vgb"])
+        if kind == "seal":
+            rc = lib.ott_vktest_seal(a, 0, *hargs)
+            _send(out, (rc, {k: inputs[k] for k in STATE}))
+            continue
+        part_shape, out_shape = shapes
         part = np.full(part_shape, np.nan, np.float32)
         res = np.full(out_shape, np.nan, np.float32)
         a.part = ffi.cast("float *", ffi.from_buffer(part))
         a.out = ffi.cast("float *", ffi.from_buffer(res))
-        rc = lib.ott_vktest_attn(a, 0, head["kbits"], head["vbits"], head["flags"], head["G"], head["Gv"],
-                                 head["kgb"], head["vgb"])  # fmt: skip
+        rc = lib.ott_vktest_attn(a, 0, *hargs)
         _send(out, (rc, part, res))
 
 

@@ -20,18 +20,25 @@ static bool ott_vk_in_buffer_of(ggml_backend_dev_t dev, const ggml_tensor * t) {
     return t->buffer && ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) == dev;
 }
 
-// the shaders read the state's bytes and halves as 8- and 16-bit storage
-static bool ott_vk_device_features(const vk_device & device) {
+// the shaders read and write the state's bytes and halves as 8- and 16-bit storage; the seal sums in fp64
+struct ott_vk_features {
+    bool storage_8_16;
+    bool float64;
+};
+
+static ott_vk_features ott_vk_device_features(const vk_device & device) {
     static std::mutex mutex;
-    static std::map<const vk_device_struct *, bool> known;
+    static std::map<const vk_device_struct *, ott_vk_features> known;
     std::lock_guard<std::mutex> lock(mutex);
     auto it = known.find(device.get());
     if (it == known.end()) {
         const auto f = device->physical_device.getFeatures2<vk::PhysicalDeviceFeatures2, vk::PhysicalDeviceVulkan11Features,
                                                            vk::PhysicalDeviceVulkan12Features>();
-        const bool ok = f.get<vk::PhysicalDeviceVulkan12Features>().storageBuffer8BitAccess &&
-                        f.get<vk::PhysicalDeviceVulkan11Features>().storageBuffer16BitAccess;
-        it = known.emplace(device.get(), ok).first;
+        ott_vk_features r;
+        r.storage_8_16 = f.get<vk::PhysicalDeviceVulkan12Features>().storageBuffer8BitAccess &&
+                         f.get<vk::PhysicalDeviceVulkan11Features>().storageBuffer16BitAccess;
+        r.float64 = f.get<vk::PhysicalDeviceFeatures2>().features.shaderFloat64;
+        it = known.emplace(device.get(), r).first;
     }
     return it->second;
 }
@@ -49,12 +56,16 @@ static bool ott_vk_indexable(const ggml_tensor * t) {
 bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, const ggml_tensor * op) {
     const ggml_ott_params & p = *ggml_ott_get_params(op);
     switch (op->op) {
-        case GGML_OP_OTT_ATTN_PART: {
-            // reads the cache's state where it lives (never a copy of it) with the kernels of its head config;
-            // D up to 512 (4 channels per thread of 128), whole rotation units, sealed K groups as laid out here
-            const int i = ott_vk_shader(p, "attn_part");
-            if (i < 0 || !ott_vk_device_features(device) || p.D > 512 || p.D % p.Gv != 0 ||
-                ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0)) {
+        case GGML_OP_OTT_ATTN_PART:
+        case GGML_OP_OTT_SEAL: {
+            // reads (the seal: writes in place) the cache's state where it lives, never a copy of it, with the
+            // kernels of its head config; D up to 512 (4 channels per thread of 128), whole rotation units, sealed
+            // groups as laid out here. The seal sums fp16 values exactly in fp64 (shaderFloat64).
+            const bool seal = op->op == GGML_OP_OTT_SEAL;
+            const int i = ott_vk_shader(p, seal ? "seal" : "attn_part");
+            const ott_vk_features f = ott_vk_device_features(device);
+            if (i < 0 || !f.storage_8_16 || (seal && !f.float64) || p.D > 512 || p.D % p.Gv != 0 ||
+                ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0) || (seal && p.outlier_num > 64)) {
                 return false;
             }
             const ott2_vk_key & key = ott2_vk_keys[i];
@@ -62,8 +73,9 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
                 op->src[5]->ne[0] != (int64_t) p.G*(p.D/p.Gv)*key.VB) {
                 return false;
             }
-            for (int s = 0; s < 9; ++s) {
-                if (!ott_vk_indexable(op->src[s]) || (s >= 3 && s < 8 && !ott_vk_in_buffer_of(dev, op->src[s]))) {
+            for (int s = 0; s < (seal ? 10 : 9); ++s) {
+                const bool state = (s >= 3 && s < 8) || s == 9; // ring, sk, sv, pkv, pmeta; the seal's flags
+                if (!ott_vk_indexable(op->src[s]) || (state && !ott_vk_in_buffer_of(dev, op->src[s]))) {
                     return false;
                 }
             }
@@ -80,7 +92,7 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
                    ott_vk_indexable(part) && ott_vk_indexable(op);
         }
         default:
-            return false; // the seal has no Vulkan kernel yet: a cache on a Vulkan layer is refused, never moved
+            return false;
     }
 }
 
@@ -125,4 +137,24 @@ void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
         { ggml_vk_tensor_subbuffer(ctx, part), ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
         ott_vk_grid(ctx->device, ns*n_tok*p.n_head));
+}
+
+void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
+    const ggml_ott_params & p = *ggml_ott_get_params(dst);
+    const int i = ott_vk_shader(p, "seal");
+    GGML_ASSERT(i >= 0);
+    const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
+    ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
+    const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
+    const ggml_tensor * const * s = dst->src;
+    // ggml-vulkan orders ops by what they write as dst; the seal writes its sources (the state) in place: a
+    // barrier before, after every read of the old state, and one after, before any later read of the new
+    ggml_vk_sync_buffers(ctx, subctx);
+    ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
+        { ggml_vk_tensor_subbuffer(ctx, s[1]), ggml_vk_tensor_subbuffer(ctx, s[2]), ggml_vk_tensor_subbuffer(ctx, s[3]),
+          ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]), ggml_vk_tensor_subbuffer(ctx, s[6]),
+          ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]), ggml_vk_tensor_subbuffer(ctx, s[9]) },
+        pc, ott_vk_grid(ctx->device, ns*p.H)); // a workgroup per (ubatch stream, KV head)
+    ggml_vk_sync_buffers(ctx, subctx);
 }

@@ -24,6 +24,7 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
 // record an ott op's dispatch into subctx (ops that supports_op accepted)
 void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
+void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 
 // from ggml_vk_load_shaders, with its pipeline create function: the ott pipelines, compiled on first use as
 // every ggml-vulkan pipeline is (workgroups of OTT_NT threads; the dispatch counts workgroups)

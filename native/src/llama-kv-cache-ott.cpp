@@ -49,6 +49,35 @@ static void ott_check_rpc_device(const char * type_name, uint32_t il, ggml_backe
     }
 }
 
+// A device that does not run one of a layer's ott ops (its kernels do not cover the head config, or it lacks a
+// feature they need) would have the scheduler run that op elsewhere on a copy of the state, which the seal then
+// writes: refuse the cache instead, naming the layer and the device. Asked with the layer's own state tensors.
+static void ott_check_device_ops(const char * type_name, const ott_layer & L, ggml_backend_dev_t dev) {
+    ggml_init_params ip = { 8*ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    const ggml_ott_params & p = L.op;
+    ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p.D, p.n_head, 1);
+    ggml_tensor * k    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p.D, p.H, 1);
+    ggml_tensor * v    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p.D, p.H, 1);
+    ggml_tensor * plan = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 4, 1);
+    ggml_tensor * part = ggml_ott_attn_part(ctx, q, k, v, L.ring, L.sealed_k, L.sealed_v, L.pool_kv, L.pool_meta, plan, &p);
+    ggml_tensor * out  = ggml_ott_attn(ctx, part, 1, &p);
+    ggml_tensor * seal = ggml_ott_seal(ctx, out, k, v, L.ring, L.sealed_k, L.sealed_v, L.pool_kv, L.pool_meta, plan,
+                                       L.flags, &p);
+    const char * refused = !ggml_backend_dev_supports_op(dev, part) ? "attention" :
+                           !ggml_backend_dev_supports_op(dev, out)  ? "merge" :
+                           !ggml_backend_dev_supports_op(dev, seal) ? "seal" : nullptr;
+    ggml_free(ctx);
+    if (refused) {
+        throw std::runtime_error(std::string(type_name) + ": layer " + std::to_string(L.il) + " is offloaded to " +
+                                 ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) +
+                                 "), which cannot run its ott " + refused + " (K " + std::to_string(p.kbits) +
+                                 " bits, V " + std::to_string(p.vbits) + " bits, head dim " + std::to_string(p.D) +
+                                 "; the Vulkan kernels need 8- and 16-bit storage buffers, the seal also fp64): keep "
+                                 "the K/V cache on the CPU (no_kv_offload / -nkvo)");
+    }
+}
+
 llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cparams & cparams,
                                        const llama_ott_kv_pair & kv_type, const llama_ott_config & cfg_in,
                                        const layer_filter_cb & filter) :
@@ -118,12 +147,12 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
             if (reg == "RPC") {
                 // the cache lives in the remote's buffer and the ops run there, on the server's backend
                 ott_check_rpc_device(kv_type.name, il, dev);
-            } else if (reg != "CPU" && reg != "CUDA") {
-                // the ops exist for the CPU and CUDA only: refuse rather than move the cache behind the user's back
+            } else if (reg != "CPU" && reg != "CUDA" && reg != "Vulkan") {
+                // the ops exist for these backends only: refuse rather than move the cache behind the user's back
                 throw std::runtime_error(std::string(kv_type.name) + ": layer " + std::to_string(il) +
-                                         " is offloaded to " + reg + ", which has no ott ops (CPU and CUDA have, and "
-                                         "RPC servers built by ott-gguf); offload to CUDA, or keep the "
-                                         "K/V cache on the CPU (no_kv_offload / -nkvo)");
+                                         " is offloaded to " + reg + ", which has no ott ops (CPU, CUDA and Vulkan "
+                                         "have, and RPC servers built by ott-gguf); offload to CUDA or Vulkan, or keep "
+                                         "the K/V cache on the CPU (no_kv_offload / -nkvo)");
             }
             buft = ggml_backend_dev_buffer_type(dev);
         }
@@ -189,6 +218,12 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         bufs.push_back(b);
         LLAMA_LOG_INFO("%s: %s cache on %s: %7.2f MiB\n", __func__, kv_type.name, ggml_backend_buft_name(buft),
                        ggml_backend_buffer_get_size(b)/1048576.0);
+    }
+    for (const auto & L : layers) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(L.ring->buffer));
+        if (dev && std::string(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev))) == "Vulkan") {
+            ott_check_device_ops(kv_type.name, L, dev);
+        }
     }
     streams.assign(n_stream, {});
     poisoned.assign(n_stream, 0);
