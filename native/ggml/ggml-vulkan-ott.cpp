@@ -4,6 +4,7 @@
 #include "ggml-vulkan-ott.h"
 #include "ggml-ott-args.h"
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -37,7 +38,10 @@ static ott_vk_features ott_vk_device_features(const vk_device & device) {
         ott_vk_features r;
         r.storage_8_16 = f.get<vk::PhysicalDeviceVulkan12Features>().storageBuffer8BitAccess &&
                          f.get<vk::PhysicalDeviceVulkan11Features>().storageBuffer16BitAccess;
-        r.float64 = f.get<vk::PhysicalDeviceFeatures2>().features.shaderFloat64;
+        // GGML_VK_OTT_DISABLE_F64, as ggml-vulkan's GGML_VK_DISABLE_* variables: act as a device without fp64
+        // (Intel Arc), so that the refusal such a device gets can be seen on any device (tests/test_vulkan.py)
+        r.float64 = f.get<vk::PhysicalDeviceFeatures2>().features.shaderFloat64 &&
+                    getenv("GGML_VK_OTT_DISABLE_F64") == nullptr;
         it = known.emplace(device.get(), r).first;
     }
     return it->second;

@@ -99,6 +99,17 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     // groups; the rest stay in the ring (at least one group's room so that tensors are never empty)
     const int32_t NG = std::max<int32_t>(1, ((int32_t) n_ctx_seq - cfg.R) / G);
 
+    // a refusal below throws out of the constructor, where the destructor does not run: free what was made so far
+    // (a caller that retries with the cache on the CPU gets its device memory back)
+    struct release_on_throw {
+        llama_kv_cache_ott * cache;
+        ~release_on_throw() {
+            if (cache) {
+                cache->release();
+            }
+        }
+    } guard{this};
+
     // a layer's cache lives on its layer's device (offloaded layers: their GPU), as llama_kv_cache places K/V
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
     auto ctx_for = [&](ggml_backend_buffer_type_t buft) {
@@ -244,15 +255,22 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     LLAMA_LOG_INFO("%s: %s cache size = %7.2f MiB: quantized %7.2f MiB, fp16 tail %7.2f MiB, pools %7.2f MiB\n",
                    __func__, kv_type.name, (bytes_quant + bytes_tail + bytes_pool)/1048576.0, bytes_quant/1048576.0,
                    bytes_tail/1048576.0, bytes_pool/1048576.0);
+    guard.cache = nullptr;
 }
 
 llama_kv_cache_ott::~llama_kv_cache_ott() {
+    release();
+}
+
+void llama_kv_cache_ott::release() {
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }
     for (auto * c : ctxs) {
         ggml_free(c);
     }
+    bufs.clear();
+    ctxs.clear();
 }
 
 void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {

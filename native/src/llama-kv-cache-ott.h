@@ -190,6 +190,7 @@ private:
     void state_write_body(llama_io_write_i & io, llama_seq_id seq_id) const;
     void state_read_body (llama_io_read_i  & io, llama_seq_id seq_id);
     void reset_stream_meta(uint32_t s);
+    void release(); // frees the buffers and contexts (the destructor, and a constructor that throws)
 
     std::vector<ott_layer> layers;
     std::vector<int32_t> layer_ids;
