@@ -13,6 +13,19 @@
 
 namespace {
 
+// A sealed group's K and V blocks (about 5 KB at D 64) into L2 ahead of its kernel: the state of a long context is
+// read from DRAM (the weights stream through L3 every token), and one group's compute hides the next one's misses.
+// Measured with study/attn_microbench.c over 40 MB of groups: 1830 -> 1670 ns per group (prefetch to L1: slower).
+static void ott_prefetch_l2(const char * p, size_t n) {
+#if defined(__GNUC__)
+    for (size_t o = 0; o < n; o += 64) {
+        __builtin_prefetch(p + o, 0, 1);
+    }
+#else
+    (void) p; (void) n;
+#endif
+}
+
 struct ott_views {
     const ggml_ott_params & p;
     const ggml_tensor * kc, * vc, * ring, * sk, * sv, * pkv, * pmeta, * plan;
@@ -93,7 +106,16 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
             const ott_slot_meta * slots = (const ott_slot_meta *) meta;
             const int32_t n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1];
             const uint16_t * pool = v.pool(s, h);
+            const char * gk = (const char *) v.sealed(v.sk, s, h), * gv = (const char *) v.sealed(v.sv, s, h);
+            if (g0 < g1) {
+                ott_prefetch_l2(gk + g0*kbytes, kbytes);
+                ott_prefetch_l2(gv + g0*vbytes, vbytes);
+            }
             for (int32_t g = g0; g < g1; ++g) {
+                if (g + 1 < g1) {
+                    ott_prefetch_l2(gk + (g + 1)*kbytes, kbytes);
+                    ott_prefetch_l2(gv + (g + 1)*vbytes, vbytes);
+                }
                 cj.clear(); ck.clear(); cv.clear();
                 for (int32_t i = 0; i < n_pool + n_aux; ++i) {
                     const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
@@ -104,9 +126,8 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
                         cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
                     }
                 }
-                hk->attn_group((int) D, (int) nr, qb.data(), p.scale, v.sealed(v.sk, s, h) + g*kbytes,
-                               v.sealed(v.sv, s, h) + g*vbytes, (int) cj.size(), cj.data(), ck.data(), cv.data(),
-                               ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(), L.data(), acc.data(), scratch.data());
+                hk->attn_group((int) D, (int) nr, qb.data(), p.scale, gk + g*kbytes, gv + g*vbytes, (int) cj.size(),
+                               cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(), L.data(), acc.data(), scratch.data());
             }
         } else {
             // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
