@@ -127,7 +127,8 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth) {
                     }
                 }
                 hk->attn_group((int) D, (int) nr, qb.data(), p.scale, gk + g*kbytes, gv + g*vbytes, (int) cj.size(),
-                               cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(), L.data(), acc.data(), scratch.data());
+                               cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(),
+                               L.data(), acc.data(), scratch.data());
             }
         } else {
             // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1)
