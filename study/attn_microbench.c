@@ -2,6 +2,7 @@
 // NG groups of one KV head sealed from random K/V (rotated V, outliers traced, as the cache runs), then
 // attn_group over all of them for NR query rows (decode: the GQA heads of one KV head), repeated.
 // Prints one JSON line: ns per group call and the state bytes per group, for the (K, V) widths given.
+// With an 8th argument N_TAIL > 0: the fp16 tail kernel instead, N_TAIL tokens in calls of G (ns per tail).
 // Build against a generated ott2-head.c: cc -O3 -march=native -ffp-contract=off -I<gen/ggml> -I native/kernels
 //     study/attn_microbench.c <gen/ggml>/ott2-head.c -lm -o attn_microbench
 #include "ott2-head.h"
@@ -33,6 +34,7 @@ int main(int argc, char ** argv) {
     const int D = argc > 3 ? atoi(argv[3]) : 64, NR = argc > 4 ? atoi(argv[4]) : 3;
     const int NG = argc > 5 ? atoi(argv[5]) : 32, reps = argc > 6 ? atoi(argv[6]) : 200;
     const int vsym = argc > 7 ? atoi(argv[7]) : 0; // symmetric V blocks (v_sym); keys plain (no k_mix)
+    const int n_tail = argc > 8 ? atoi(argv[8]) : 0;
     const ott_head_kernels * hk = ott_head_find(kbits, vbits, 0, vsym);
     if (!hk) {
         return 1;
@@ -62,6 +64,36 @@ int main(int argc, char ** argv) {
     }
     double best = 1e30;
     float sink = 0.0f;
+    if (n_tail > 0) { // the recent window: fp16 rows of D halves, every row sees all of it
+        uint16_t * tk = malloc(sizeof(uint16_t)*n_tail*D), * tv = malloc(sizeof(uint16_t)*n_tail*D);
+        int32_t qpos[256];
+        for (int i = 0; i < n_tail*D; ++i) {
+            tk[i] = to_half(4.0f*((float) rand()/RAND_MAX - 0.5f));
+            tv[i] = to_half(2.0f*((float) rand()/RAND_MAX - 0.5f));
+        }
+        for (int i = 0; i < NR; ++i) {
+            qpos[i] = n_tail;
+        }
+        for (int r = 0; r < reps; ++r) {
+            for (int i = 0; i < NR; ++i) {
+                M[i] = -INFINITY;
+                L[i] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float)*NR*D);
+            const double t0 = now();
+            for (int j0 = 0; j0 < n_tail; j0 += G) {
+                const int n_t = n_tail - j0 < G ? n_tail - j0 : G;
+                hk->attn_tail(D, NR, q, qpos, 0.125f, n_t, j0, tk + (size_t) j0*D, tv + (size_t) j0*D, D, M, L, acc,
+                              scratch);
+            }
+            const double t = now() - t0;
+            best = t < best ? t : best;
+            sink += acc[0]/L[0];
+        }
+        printf("{\"D\": %d, \"rows\": %d, \"tail\": %d, \"ns_per_tail\": %.1f, \"isa\": \"%s\", \"sink\": %g}\n", D, NR,
+               n_tail, best*1e9, ott2_head_isa(), (double) sink);
+        return 0;
+    }
     for (int r = 0; r < reps; ++r) {
         for (int i = 0; i < NR; ++i) {
             M[i] = -INFINITY;
