@@ -35,11 +35,14 @@ TEMPLATES = HERE / "templates"
 # Each plane packs 8/w codes per byte, strided: element j sits in byte j % nbytes at bit w*(j // nbytes),
 # so a vector of nbytes bytes shifted by w*k yields nbytes consecutive codes.
 PLANES = {2: (2,), 3: (2, 1), 4: (4,)}
-ISAS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon")}
+# avx512vnni: the avx512 rendering built with VNNI (dpbusd for the scores, the integer V pass), which the test
+# library checks apart from avx512 without it (the fallbacks); a llama build takes whichever -march=native gives
+ISAS = {"x86_64": ("scalar", "avx2", "avx512", "avx512vnni"), "aarch64": ("scalar", "neon")}
 ISA_FLAGS = {
     "scalar": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+fp16+dotprod"],
 }
 # The quantizer's clipped ranges in sixty-fourths of a group's range (ott_gguf.quantizer, docs/clipping.md; a
@@ -59,7 +62,7 @@ V_ROT_CLIP64 = {
 V_SYM_CLIP64 = {(2, 32): 41, (2, 64): 37, (2, 128): 34, (2, 256): 32}
 V_SYM_BITS = 2  # v_sym changes 2-bit values only (at 3 bits the min pays for itself: docs/v-blocks.md)
 # vector width in floats per ISA
-WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 4}
+WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "avx512vnni": 16, "neon": 4}
 Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
 # the ott ops' kernels that have a Vulkan rendering (ott_cuda_ops.j2, mode glsl): their storage buffers in binding
 # order (name in ott_cu_args, GLSL type, access); native/ggml/ggml-vulkan-ott.cpp binds them in this order
@@ -199,6 +202,13 @@ class HeadConfig:
     @property
     def spec(self) -> str:
         return f"{self.kbits}{'m' if self.kmix else ''}/{self.vbits}{'s' if self.vsym else ''}:{self.G}:{self.Gv}"
+
+    @property
+    def vplane(self) -> bool:
+        """V codes in one plane of 16 bytes per block (2-bit, Gv = 64): ISAs with OTT_VPLANE read them in place,
+        and those with OTT_VINT weigh them in integers (ott_head.c.j2)."""
+        p = self.v.planes
+        return len(p) == 1 and p[0].width == 2 and p[0].nbytes == 16 and self.Gv == 64
 
     @property
     def int_chunk(self) -> int:

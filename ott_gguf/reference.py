@@ -460,7 +460,13 @@ def truncate(state: HeadState, p0: int, config: OttConfig) -> bool:
 
 
 def attend(
-    state: HeadState, q: np.ndarray, q_pos: np.ndarray, scale: float | None = None, int8_query: bool = False
+    state: HeadState,
+    q: np.ndarray,
+    q_pos: np.ndarray,
+    scale: float | None = None,
+    int8_query: bool = False,
+    int_values: bool = False,
+    v_rotate: bool = False,
 ) -> np.ndarray:
     """Attention of query rows q (n, D) at positions q_pos (n,) over one head's cache, with cover semantics.
 
@@ -470,6 +476,12 @@ def attend(
     int8_query: score the sealed (not pooled) tokens as the native multi-row kernel does, reading the codes with
     the query quantized per row and group: s = scale*(q.m + a*sum_c qi_c code_c), qi = rint(q*d/a),
     a = max|q*d|/127, in fp32 (the integer sums are exact).
+
+    int_values: weigh the sealed tokens' V codes as the integer V pass does (the AVX-512 kernels of 2-bit V):
+    per row, group and V block, the weights w_j = p_j d_j of the tokens read from their codes are quantized to
+    q_j = rint(w_j*32767/wmax), wmax = max_j w_j, and the codes weighed by q_j*wmax/32767 (the mins keep p_j).
+    The quantization is scale free, so the normalized p gives the kernel's q_j. Tokens read from codes: not pooled
+    and, with v_rotate (the state's config), with every V block rotated (the others are served exactly).
     """
     q = np.asarray(q, dtype=np.float32)
     q_pos = np.asarray(q_pos, dtype=np.int64)
@@ -493,7 +505,37 @@ def attend(
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=1, keepdims=True)
-    return (p @ v).astype(np.float32)
+    out = (p @ v).astype(np.float32)
+    if int_values:
+        out += _int_values_error(state, p, v_rotate)
+    return out
+
+
+def _int_values_error(state: HeadState, p: np.ndarray, v_rotate: bool) -> np.ndarray:
+    """What the integer V pass adds to p @ v: sum_j (q_j*wmax/32767 - w_j) code_j per group and V block (see
+    attend), in the stored basis, turned back with v_rotate."""
+    n, D, G = p.shape[0], state.head_dim, state.G
+    pooled = set(state.pooled().pos.tolist())
+    err = np.zeros((n, D), np.float32)
+    one = np.float32(32767.0)
+    for g in state.groups:
+        rot = g.v_rotated.all(axis=1)
+        cols = np.array([j for j in range(G) if g.index * G + j not in pooled and (rot[j] or not v_rotate)], np.int64)
+        if len(cols) == 0:
+            continue
+        d = np.abs(g.v_scale.astype(np.float32))  # (G, NB): the sign bit is the rotation flag
+        NB = d.shape[1]
+        Gv = D // NB
+        e = np.zeros((n, D), np.float32)
+        for b in range(NB):
+            w = (p[:, g.index * G + cols] * d[cols, b][None, :]).astype(np.float32)
+            wmax = w.max(axis=1)
+            inv = np.where(wmax > 0, one / np.where(wmax > 0, wmax, 1), 0).astype(np.float32)
+            wq = np.rint(w * inv[:, None]).astype(np.float32) * (wmax / one)[:, None]
+            codes = g.v_codes[cols, b * Gv : (b + 1) * Gv].astype(np.float32)
+            e[:, b * Gv : (b + 1) * Gv] = (wq - w) @ codes
+        err += hadamard_rotate(e) if v_rotate else e
+    return err
 
 
 # ------------------------------------------------------------------------------------------------- the cache

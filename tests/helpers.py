@@ -183,7 +183,7 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
     q = (rng.standard_normal((len(q_pos), D)) * 0.5).astype(np.float32)
     got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
                        st.tail_v)  # fmt: skip
-    want = ref.attend(st, q, q_pos, scale, int8_query=True)
+    want = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=hk.vint, v_rotate=hk.vrot)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
     exact = ref.attend(st, q, q_pos, scale)
     assert float(np.abs(got - exact).max()) <= 0.05 * vmax

@@ -67,6 +67,7 @@ _ffi.cdef(
         ott_attn_group_fn attn_group;
         ott_attn_tail_fn attn_tail;
         void (*unrotate)(int D, float * x);
+        int (*vint)(void);
     } ott_head_kernel;
     const ott_head_kernel * ott_head_kernels(int * n);
     int ott_cpu_supports(const char * isa);
@@ -174,6 +175,7 @@ class HeadKernelSet:
     vrot: bool = False
     kmix: bool = False
     vsym: bool = False  # symmetric V blocks (v_sym)
+    vint: bool = False  # attn_group weighs V codes in integers (reference.attend int_values)
 
     def k_group_bytes(self, D: int) -> int:
         """Bytes of one sealed K group of the head (k_mix: the D channel blocks plus their 2-bit width table)."""
@@ -349,6 +351,7 @@ class Kernels:
                 t,
                 kmix=bool(t.kmix),
                 vsym=bool(t.vsym),
+                vint=bool(t.vint()),
             )
             for t in (heads[i] for i in range(n[0]))
         ]

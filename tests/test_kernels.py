@@ -120,7 +120,7 @@ def test_machine_runs_the_simd_isas() -> None:
     import platform
 
     if platform.machine() == "x86_64":
-        assert K.isas == ["avx2", "avx512", "scalar"]
+        assert K.isas == ["avx2", "avx512", "avx512vnni", "scalar"]
         assert K.cpu_supports("avx2")
         if not K.cpu_supports("avx512"):
             pytest.skip("this CPU has no AVX-512: the avx512 kernels were built but not run")

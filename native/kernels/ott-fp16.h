@@ -66,6 +66,8 @@ static inline float    ott_fp16_to_fp32_f16c(uint16_t h) { return _cvtsh_ss(h); 
 #define ott_fp16_to_fp32_avx2   ott_fp16_to_fp32_f16c
 #define ott_fp32_to_fp16_avx512 ott_fp32_to_fp16_f16c
 #define ott_fp16_to_fp32_avx512 ott_fp16_to_fp32_f16c
+#define ott_fp32_to_fp16_avx512vnni ott_fp32_to_fp16_f16c
+#define ott_fp16_to_fp32_avx512vnni ott_fp16_to_fp32_f16c
 #endif
 
 #if defined(__aarch64__)
