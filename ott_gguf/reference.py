@@ -479,7 +479,7 @@ def attend(
 
     int_values: weigh the sealed tokens' V codes as the integer V pass does (the AVX-512 kernels of 2-bit V):
     per row, group and V block, the weights w_j = p_j d_j of the tokens read from their codes are quantized to
-    q_j = rint(w_j*32767/wmax), wmax = max_j w_j, and the codes weighed by q_j*wmax/32767 (the mins keep p_j).
+    q_j = rint(w_j*65535/wmax), wmax = max_j w_j, and the codes weighed by q_j*wmax/65535 (the mins keep p_j).
     The quantization is scale free, so the normalized p gives the kernel's q_j. Tokens read from codes: not pooled
     and, with v_rotate (the state's config), with every V block rotated (the others are served exactly).
     """
@@ -512,12 +512,12 @@ def attend(
 
 
 def _int_values_error(state: HeadState, p: np.ndarray, v_rotate: bool) -> np.ndarray:
-    """What the integer V pass adds to p @ v: sum_j (q_j*wmax/32767 - w_j) code_j per group and V block (see
+    """What the integer V pass adds to p @ v: sum_j (q_j*wmax/65535 - w_j) code_j per group and V block (see
     attend), in the stored basis, turned back with v_rotate."""
     n, D, G = p.shape[0], state.head_dim, state.G
     pooled = set(state.pooled().pos.tolist())
     err = np.zeros((n, D), np.float32)
-    one = np.float32(32767.0)
+    one = np.float32(65535.0)
     for g in state.groups:
         rot = g.v_rotated.all(axis=1)
         cols = np.array([j for j in range(G) if g.index * G + j not in pooled and (rot[j] or not v_rotate)], np.int64)

@@ -3,6 +3,8 @@ reference (ott_gguf.reference), field by field, for every ISA this machine runs 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from native_kernels import HeadKernelSet, kernels
@@ -118,3 +120,32 @@ def test_every_x86_isa_was_run() -> None:
         assert K.cpu_supports("avx2")
         if not K.cpu_supports("avx512"):
             pytest.skip("this CPU has no AVX-512: the avx512 kernels were built but not run")
+
+
+@pytest.mark.parametrize("isa", K.isas)
+@pytest.mark.parametrize("vrot", [False, True])
+def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
+    """Where attn_group weighs the V codes in integers (AVX-512 with VNNI, 2-bit V in one plane), its output is
+    the reference's int_values model and not fp32 attention; elsewhere the other way round. A query aimed at one
+    token leaves the others small weights, whose 16-bit quantization moves the output well past fp32 rounding."""
+    hk = head_set(2, 2, 128, 64, isa, vrot=vrot)
+    cfg = ref.OttConfig(k_bits=2, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=vrot)
+    rng = np.random.default_rng(5)
+    n, D = 4 * 128 + 40, 64
+    k, v = keys_values(rng, n, D)
+    st, nat = lockstep(hk, cfg, 3, k, v, [n])
+    pooled = st.pooled()
+    kq, vq = np.concatenate(nat.kq), np.concatenate(nat.vq)
+    lo = st.n_sealed * st.G
+    q = np.stack([k[77] * 0.6, k[300] * 0.4, rng.standard_normal(D) * 0.5]).astype(np.float32)
+    q_pos = np.full(len(q), st.n_pos - 1, np.int32)
+    scale = 1.0 / math.sqrt(D)
+    got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
+    model = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=True, v_rotate=vrot)
+    plain = ref.attend(st, q, q_pos, scale, int8_query=True)
+    gap = float(np.abs(model - plain).max())
+    vmax = float(np.abs(st.served()[2]).max())
+    assert 5e-6 * vmax < gap < 1e-3 * vmax  # the quantized weights move the output, a little, past fp32 rounding
+    want, other = (model, plain) if hk.vint else (plain, model)
+    assert float(np.abs(got - want).max()) < 0.25 * gap
+    assert float(np.abs(got - other).max()) > 0.5 * gap
