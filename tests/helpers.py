@@ -68,6 +68,8 @@ class HeadKernels(Protocol):
 
     k_block_bytes: int
     v_block_bytes: int
+    vrot: bool  # V stored rotated
+    vint: bool  # attn_group weighs V codes in integers (reference.attend int_values)
 
     def seal(self, gk: np.ndarray, gv: np.ndarray, pos0: int, outlier_num: int, aux_cap: int, pool: PoolArrays,
              aux: PoolArrays, tracing: bool) -> SealResult: ...  # fmt: skip
