@@ -29,6 +29,15 @@ static uint16_t to_half(float f) { // normal range only: the test data stay with
     return (uint16_t) (s | ((e - 112) << 10) | (m >> 13));
 }
 
+// the online-softmax states of NR rows, empty
+static void reset_rows(int NR, int D, float * M, float * L, float * acc) {
+    for (int i = 0; i < NR; ++i) {
+        M[i] = -INFINITY;
+        L[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float)*NR*D);
+}
+
 int main(int argc, char ** argv) {
     const int kbits = argc > 1 ? atoi(argv[1]) : 2, vbits = argc > 2 ? atoi(argv[2]) : 2;
     const int D = argc > 3 ? atoi(argv[3]) : 64, NR = argc > 4 ? atoi(argv[4]) : 3;
@@ -75,11 +84,7 @@ int main(int argc, char ** argv) {
             qpos[i] = n_tail;
         }
         for (int r = 0; r < reps; ++r) {
-            for (int i = 0; i < NR; ++i) {
-                M[i] = -INFINITY;
-                L[i] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float)*NR*D);
+            reset_rows(NR, D, M, L, acc);
             const double t0 = now();
             for (int j0 = 0; j0 < n_tail; j0 += G) {
                 const int n_t = n_tail - j0 < G ? n_tail - j0 : G;
@@ -95,11 +100,7 @@ int main(int argc, char ** argv) {
         return 0;
     }
     for (int r = 0; r < reps; ++r) {
-        for (int i = 0; i < NR; ++i) {
-            M[i] = -INFINITY;
-            L[i] = 0.0f;
-        }
-        memset(acc, 0, sizeof(float)*NR*D);
+        reset_rows(NR, D, M, L, acc);
         const double t0 = now();
         for (int g = 0; g < NG; ++g) {
             int32_t cj[64];
