@@ -8,7 +8,9 @@ the same build and round set.
 
 A build is an installed ott_gguf package directory (its bin/llama-bench runs); a run is build:K/V type, where the
 type `tier` is the model's quality tier (study.benchmarks.QUALITY_TIERS: ott3/ott2 with its --ott-params and
---ott-layers). Ratios are to the f16 run (any build: f16 shares no code with the ott caches).
+--ott-layers); build:K/V:fa0 runs without flash attention (llama-bench -fa 0: plain f16 attention, which is faster
+than the pinned llama.cpp's CPU flash attention at head dim 64 on AVX512-FP16 CPUs, docs/decode-profile.md).
+Ratios are to the first f16 run with flash attention (any build: f16 shares no code with the ott caches).
 """
 
 from __future__ import annotations
@@ -31,12 +33,21 @@ TIER = "tier"
 
 
 def command(build: Path, model: Path, kv: str, depths: str, n_prompt: int, n_gen: int, threads: int,
-            tier: OttConfig | None = None) -> list[str]:  # fmt: skip
+            tier: OttConfig | None = None, flash: bool = True) -> list[str]:  # fmt: skip
     """kv "tier": the model's quality tier (study.benchmarks.QUALITY_TIERS), an ott3/ott2 cache configured."""
     k, v = resolve_kv_types("ott3/ott2" if kv == TIER else kv)
     extra = ott_args(tier) if kv == TIER and tier is not None else []
-    return [str(build / "bin" / "llama-bench"), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1", "-p", str(n_prompt),
-            "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json", *extra]  # fmt: skip
+    return [str(build / "bin" / "llama-bench"), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", str(int(flash)),
+            "-p", str(n_prompt), "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json",
+            *extra]  # fmt: skip
+
+
+def parse_run(run: str) -> tuple[str, str, bool]:
+    """build:kv[:fa0] -> (build, kv, flash attention)."""
+    parts = run.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "fa0"):
+        raise SystemExit(f"a run is build:kv_type or build:kv_type:fa0, got {run!r}")
+    return parts[0], parts[1], len(parts) == 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,17 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for r in range(a.rounds):
         for run in runs:
-            name, kv = run.split(":", 1)
+            name, kv, flash = parse_run(run)
             if kv == TIER and a.model not in QUALITY_TIERS:
                 raise SystemExit(f"{a.model} has no quality tier in study.benchmarks.QUALITY_TIERS")
-            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads, QUALITY_TIERS.get(a.model))
-            log.append(f"round {r + 1}/{a.rounds}, {name}, {kv}: {' '.join(cmd)}")
+            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads, QUALITY_TIERS.get(a.model),
+                          flash)  # fmt: skip
+            log.append(f"round {r + 1}/{a.rounds}, {name}, {kv}{'' if flash else ' (-fa 0)'}: {' '.join(cmd)}")
             print(log[-1], file=sys.stderr, flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"llama-bench failed ({name}, {kv}):\n{res.stderr[-2000:]}")
+                raise RuntimeError(f"llama-bench failed ({run}):\n{res.stderr[-2000:]}")
             for row in parse_bench_json(res.stdout, kv):
-                samples.setdefault(f"{name}|{kv}|{row.label}", []).append(row.tokens_per_s)
+                key = kv if flash else f"{kv}:fa0"
+                samples.setdefault(f"{name}|{key}|{row.label}", []).append(row.tokens_per_s)
         a.out.with_suffix(".json").write_text(json.dumps({"samples": samples, "commands": log}, indent=1))
     labels = sorted({k.split("|")[2] for k in samples}, key=lambda s: (int(s.split("@")[1]), s))
     lines = [f"Measured {time.ctime(t0)}, {a.rounds} rounds, {a.threads} threads, model {a.model}, "
@@ -77,18 +90,19 @@ def main(argv: list[str] | None = None) -> int:
              "Tokens/s: median of the rounds (min..max); x: the median's ratio to f16's.", "",
              "| build | K/V | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]  # fmt: skip
     for run in runs:
-        name, kv = run.split(":", 1)
+        name, kv, flash = parse_run(run)
+        key = kv if flash else f"{kv}:fa0"
         cells = []
         for lab in labels:
-            v = samples.get(f"{name}|{kv}|{lab}", [])
+            v = samples.get(f"{name}|{key}|{lab}", [])
             f = next((x for k, x in samples.items() if k.endswith(f"|f16|{lab}")), [])
             if not v:
                 cells.append("")
                 continue
             m = statistics.median(v)
-            ratio = f" {m / statistics.median(f):.2f}x" if f and kv != "f16" else ""
+            ratio = f" {m / statistics.median(f):.2f}x" if f and key != "f16" else ""
             cells.append(f"{m:.1f} ({min(v):.1f}..{max(v):.1f}){ratio}")
-        lines.append(f"| {name} | {kv} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {kv}{'' if flash else ' (-fa 0)'} | " + " | ".join(cells) + " |")
     lines += ["", "Commands:", "", "```", *log, "```", ""]
     a.out.write_text("\n".join(lines))
     return 0
