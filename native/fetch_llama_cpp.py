@@ -202,9 +202,12 @@ def main() -> int:
     args = ap.parse_args()
     try:
         cache = args.cache or default_cache()
-        sdist = fetch_sdist(args.version, args.sha256, cache)
         pristine = cache / f"llama.cpp-{args.sha256[:16]}"
-        unpack_pristine(sdist, args.sha256, pristine)
+        stamp = pristine / ".ott-pristine"
+        # a tree unpacked (and so verified) before needs no sdist: rebuilds work offline, with the sdist deleted
+        if not (stamp.exists() and stamp.read_text() == args.sha256):
+            sdist = fetch_sdist(args.version, args.sha256, cache)
+            unpack_pristine(sdist, args.sha256, pristine)
         patches = sorted(args.patches.glob("*.patch"))
         apply_patches(pristine, args.dest, patches)
     except FetchError as e:

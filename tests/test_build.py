@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,31 @@ def test_a_changed_pin_fails_with_the_reason(tmp_path: Path) -> None:
     res = fetch(tmp_path, ROOT / "native" / "patches", sha="0" * 64)
     assert res.returncode != 0
     assert "sha256" in res.stderr
+
+
+def test_an_unpacked_tree_builds_offline_without_the_sdist(tmp_path: Path) -> None:
+    """A cache holding the verified, unpacked tree (its stamp names the pinned sha256) and no sdist: the patched
+    tree is prepared without pip (an offline GPU machine, study/gpu_offline); a stamp of another pin is not
+    taken for it (the fetch then needs the sdist, which pip cannot get here: PIP_NO_INDEX)."""
+    from ott_gguf.models import cache_dir
+
+    src = cache_dir() / f"llama.cpp-{PIN[1][:16]}"
+    cache = tmp_path / "cache"
+    tree = cache / src.name
+    for top in ("ggml", "src", "common"):  # what the patches touch lies under these and tools/
+        shutil.copytree(src / top, tree / top)
+    shutil.copytree(src / "tools", tree / "tools", ignore=shutil.ignore_patterns("ui"))
+    (tree / ".ott-pristine").write_text(PIN[1])
+    env = {**os.environ, "OTT_GGUF_CACHE": str(cache), "PIP_NO_INDEX": "1"}
+    cmd = [sys.executable, str(FETCH), "--version", PIN[0], "--sha256", PIN[1], "--patches",
+           str(ROOT / "native" / "patches"), "--dest", str(tmp_path / "llama.cpp")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert not (cache / "sdist").exists()
+    assert "GGML_OP_OTT_ATTN" in (tmp_path / "llama.cpp" / "ggml" / "include" / "ggml.h").read_text()
+    (tree / ".ott-pristine").write_text("0" * 64)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode != 0 and "could not download" in res.stderr
 
 
 def test_the_real_patches_apply_and_touch_only_what_they_name(tmp_path: Path) -> None:

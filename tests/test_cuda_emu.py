@@ -270,11 +270,16 @@ def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
     assert st.arrays["flags"].tolist() == [0, 1, 0]
 
 
+@pytest.fixture(scope="module")
+def cuda_lib(sources: Path) -> OpsLib:
+    # one nvcc build (about 40 s) for every case
+    return OpsLib(build_cuda_testlib(sources, TAGS, sources), "cuda", TAGS)
+
+
 @pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU and nvcc (run on a CUDA machine: make gpu-test)")
-@pytest.mark.parametrize("case", [*CASES[:3], *CASES[6:]], ids=case_id)  # the per-side widths plain and rotated
-def test_cuda_ops_on_gpu(sources: Path, case: tuple, tmp_path: Path) -> None:
-    lib = OpsLib(build_cuda_testlib(sources, TAGS, tmp_path), "cuda", TAGS)
-    run_scenario(lib, case)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cuda_ops_on_gpu(cuda_lib: OpsLib, case: tuple) -> None:
+    run_scenario(cuda_lib, case)
 
 
 def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float, str]:

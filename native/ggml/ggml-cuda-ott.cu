@@ -4,12 +4,15 @@
 #include "ggml-ott-args.h"
 
 static const ott2_cu_ops * ott_cu_ops_of(const ggml_tensor * op) {
+    // the merge (GGML_OP_OTT_ATTN) has no state sources of its own: its partials' op has them
+    const ggml_tensor * st = op->op == GGML_OP_OTT_ATTN ? op->src[0] : op;
+    GGML_ASSERT(st && st->src[4]);
     const ggml_ott_params & p = *ggml_ott_get_params(op);
     const ott2_cu_ops * ops = ott2_cuda_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
     // the kernels are generated for one (G, Gv) and every width pair; D up to 512 (4 channels per thread of 128);
     // the sealed K groups (src[4]) laid out as these kernels write them
     return ops && p.G == ops->G && p.Gv == ops->Gv && p.D <= 512 && p.D % p.Gv == 0 &&
-        (size_t) op->src[4]->ne[0] == ott2_cu_kgroup_bytes(ops, p.D) ? ops : nullptr;
+        (size_t) st->src[4]->ne[0] == ott2_cu_kgroup_bytes(ops, p.D) ? ops : nullptr;
 }
 
 bool ggml_cuda_ott_supports_op(const ggml_tensor * op) {
