@@ -22,6 +22,10 @@ M=$OTT_GGUF_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf
 B=$(cd / && python3 -c 'import ott_gguf._lib as l; print(l.bin_path("llama-bench").parent)')
 cd tests
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
+log "a copy of libstdc++ inside libggml-cuda? (the test, then the library's link line)"
+timeout 60 $PT test_gpu.py -k libstdcxx 2>&1 | tail -4
+(cd $W/build && ninja -t commands "$(ninja -t targets all | grep -o '^[^:]*libggml-cuda\.so\.[0-9.]*[0-9]' | head -1)" \
+  | tail -1 | tr ' ' '\n' | grep -v '\.o$' | grep .)
 log "kernel ops on the GPU against the numpy reference"; timeout 300 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -20
 log "op placement"; timeout 300 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -20
 for kv in f16 q8_0 q4_0 ott2; do
