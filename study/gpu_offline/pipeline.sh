@@ -11,8 +11,9 @@ log env; nvidia-smi -L; nvcc --version | tail -1; cmake --version | head -1; pyt
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
 log build
+# the architectures: CMakeLists.txt's default (the visible GPU's) unless CUDA_ARCH names others
 time python3 -m pip install --no-index --no-deps --no-build-isolation -Ccmake.define.OTT_GGUF_CUDA=ON \
-  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native} -Ccmake.define.OTT_GGUF_VULKAN=OFF \
+  ${CUDA_ARCH:+-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH} -Ccmake.define.OTT_GGUF_VULKAN=OFF \
   -Cbuild-dir=$W/build . > $W/build-full.log 2>&1
 rc=$?; tail -3 $W/build-full.log
 [ $rc = 0 ] || { tail -60 $W/build-full.log; log build failed; touch $W/done; exit 1; }
