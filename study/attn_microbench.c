@@ -99,10 +99,18 @@ int main(int argc, char ** argv) {
                n_tail, best*1e9, ott2_head_isa(), (double) sink);
         return 0;
     }
+    const char * pf_env = getenv("OTT_MB_OP_PREFETCH"); // 1: the next group into L2 before each call, as the op did
+    const int op_pf = pf_env && atoi(pf_env);
     for (int r = 0; r < reps; ++r) {
         reset_rows(NR, D, M, L, acc);
         const double t0 = now();
         for (int g = 0; g < NG; ++g) {
+            for (size_t o = 0; op_pf && g + 1 < NG && o < kbytes; o += 64) {
+                __builtin_prefetch((const char *) kq + (g + 1)*kbytes + o, 0, 1);
+            }
+            for (size_t o = 0; op_pf && g + 1 < NG && o < vbytes; o += 64) {
+                __builtin_prefetch((const char *) vq + (g + 1)*vbytes + o, 0, 1);
+            }
             int32_t cj[64];
             int nc = 0;
             for (int i = 0; i < n_pool + n_aux; ++i) {

@@ -13,9 +13,9 @@
 
 namespace {
 
-// A sealed group's K and V blocks (about 5 KB at D 64) into L2 ahead of its kernel: the state of a long context is
-// read from DRAM (the weights stream through L3 every token), and one group's compute hides the next one's misses.
-// Measured with study/attn_microbench.c over 40 MB of groups: 1830 -> 1670 ns per group (prefetch to L1: slower).
+// A slice's first sealed group (K and V blocks, about 5 KB at D 64) into L2 ahead of its kernel: the state of a long
+// context is read from DRAM (the weights stream through L3 every token). Each attn_group call prefetches the group
+// after it in parts spread over its own work (ott_head.c.j2), which a burst here before every call did not match.
 static void ott_prefetch_l2(const char * p, size_t n) {
 #if defined(__GNUC__)
     for (size_t o = 0; o < n; o += 64) {
@@ -124,10 +124,6 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
                 ott_prefetch_l2(gv + g0*vbytes, vbytes);
             }
             for (int32_t g = g0; g < g1; ++g) {
-                if (g + 1 < g1) {
-                    ott_prefetch_l2(gk + (g + 1)*kbytes, kbytes);
-                    ott_prefetch_l2(gv + (g + 1)*vbytes, vbytes);
-                }
                 cj.clear(); ck.clear(); cv.clear();
                 for (int32_t i = 0; i < n_pool + n_aux; ++i) {
                     const uint32_t slot = i < n_pool ? (uint32_t) i : O + (uint32_t) (i - n_pool);
