@@ -5,7 +5,9 @@ or "K/V" pair, in rounds: every type once per round, so a machine that slows dow
 affects them alike; the median of the rounds is reported with their spread. ott2..ott4 and kivi2..kivi4 (the
 ott cache without outliers) are cache types like the stock ones; they run the C defaults unless a configuration
 is given (`tiers`: llama-bench's --ott-params and --ott-layers). "pp" rows time P prompt tokens in one batch,
-"tg" rows N generated tokens one at a time, each after `depth` tokens already in the cache.
+"tg" rows N generated tokens one at a time, each after `depth` tokens already in the cache. A type written
+"T:fa0" runs without flash attention (`-fa 0`: llama.cpp's plain f16 attention, the faster f16 baseline on CPUs
+where its flash attention is slow, docs/decode-profile.md), its rows under that name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from ._lib import bin_path
 from .kv_types import OttConfig, kv_pair_name, resolve_kv_types
 
+# the suffix of a type that bench() runs without flash attention ("f16:fa0")
+NO_FLASH = ":fa0"
 # a configured ott cache under a label of its own: label -> (K/V pair, its configuration)
 Tiers = dict[str, tuple[str, OttConfig]]
 
@@ -54,9 +58,9 @@ def ott_args(cfg: OttConfig) -> list[str]:
 
 def bench_command(model: Path | str, kv_type: str, *, depths: Sequence[int], n_prompt: int, n_gen: int,
                   threads: int | None, reps: int, n_gpu_layers: int | None = None,
-                  ott_config: OttConfig | None = None) -> list[str]:  # fmt: skip
+                  ott_config: OttConfig | None = None, flash_attn: bool = True) -> list[str]:  # fmt: skip
     k, v = resolve_kv_types(kv_type)
-    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", "1",
+    cmd = [str(bin_path("llama-bench")), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", str(int(flash_attn)),
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-o", "json"]  # fmt: skip
     if ott_config is not None:
@@ -102,18 +106,20 @@ def bench(
     from .info import require_ott_support
 
     tiers = tiers or {}
-    types = [t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
+    split = [(t[: -len(NO_FLASH)], False) if t.endswith(NO_FLASH) else (t, True) for t in kv_types]
+    bases = [t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t, _ in split]
+    types = [b if flash else b + NO_FLASH for b, (_, flash) in zip(bases, split, strict=True)]
     if not Path(model).is_file():
         raise FileNotFoundError(f"model file not found: {model}")
     if any(d < 0 for d in depths) or n_prompt < 0 or n_gen < 0 or reps < 1 or not (n_prompt or n_gen):
         raise ValueError("depths, -p and -n must be >= 0 (-p or -n above 0) and repetitions >= 1")
-    require_ott_support(model, [tiers[t][0] if t in tiers else t for t in types])  # llama-bench only exits
+    require_ott_support(model, [tiers[b][0] if b in tiers else b for b in bases])  # llama-bench only exits
     samples: dict[tuple[str, str, int, int], list[float]] = {}
     for r in range(reps):
-        for t in types:
-            pair, cfg = tiers.get(t, (t, None))
+        for t, b, (_, flash) in zip(types, bases, split, strict=True):
+            pair, cfg = tiers.get(b, (b, None))
             cmd = bench_command(model, pair, depths=depths, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=1,
-                                n_gpu_layers=n_gpu_layers, ott_config=cfg)  # fmt: skip
+                                n_gpu_layers=n_gpu_layers, ott_config=cfg, flash_attn=flash)  # fmt: skip
             if progress:
                 progress(f"round {r + 1}/{reps}, {t}: {' '.join(cmd)}")
             res = subprocess.run(cmd, capture_output=True, text=True)

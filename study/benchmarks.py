@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ott_gguf import models
 from ott_gguf._lib import bin_path
-from ott_gguf.bench import BenchRow, Tiers, bench, ott_args
+from ott_gguf.bench import NO_FLASH, BenchRow, Tiers, bench, ott_args
 from ott_gguf.calibrate import perplexity_numbers
 from ott_gguf.corpus import docs_text
 from ott_gguf.evaluate import import_pyplot
@@ -102,7 +102,9 @@ def run(model_names: list[str], threads: int, depths: list[int], chunks: int, re
         t0 = time.time()
         types, tiers = model_types(name)
         mem = measure_kv_bytes(path, types, n_ctx=(MEM_CTX[0], MEM_CTX[1]), tiers=tiers)
-        speed: list[BenchRow] = bench(path, types, depths=depths, n_prompt=512, n_gen=64, threads=threads,
+        # f16 also without flash attention: on some CPUs llama.cpp's plain f16 attention is the faster baseline
+        speed_types = (types[0], f"{types[0]}{NO_FLASH}", *types[1:])
+        speed: list[BenchRow] = bench(path, speed_types, depths=depths, n_prompt=512, n_gen=64, threads=threads,
                                       reps=reps, progress=log.append, tiers=tiers)  # fmt: skip
         ppl = perplexity(path, threads, chunks, log, types, tiers)
         out[name] = {
@@ -146,15 +148,23 @@ def markdown(res: dict[str, object], depths: list[int]) -> str:
         for t in types:
             cells = [by.get((t, lab.split()[0][:2], int(lab.split()[-1]))) for lab in labels]
             lines.append(f"| {t} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
-        lines += ["", "Ratio to f16 (same run):", "", "| K/V | " + " | ".join(labels) + " |",
-                  "|---|" + "---|" * len(labels)]  # fmt: skip
-        for t in types[1:]:
-            cells = []
-            for lab in labels:
-                key = (lab.split()[0][:2], int(lab.split()[-1]))
-                a, b = by.get((t, *key)), by.get(("f16", *key))
-                cells.append("" if a is None or b is None else f"{a / b:.2f}")
-            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines += ["", f"`f16{NO_FLASH}`: f16 under `llama-bench -fa 0` (llama.cpp's plain attention; every other row "
+                  "runs with flash attention, which the ott caches implement). Where it is the faster of the two (the "
+                  "pinned llama.cpp's CPU flash attention takes a scalar path for head dim 64 on AVX512-FP16 CPUs, "
+                  "docs/decode-profile.md), the second table is the fair comparison."]  # fmt: skip
+        faster = ("Ratio to the faster f16 of the two, per column (same run):", ("f16", f"f16{NO_FLASH}"))
+        for title, bases in (("Ratio to f16 with flash attention (same run):", ("f16",)), faster):
+            lines += ["", title, "", "| K/V | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+            for t in types[1:]:
+                if t in bases:
+                    continue
+                cells = []
+                for lab in labels:
+                    key = (lab.split()[0][:2], int(lab.split()[-1]))
+                    a, fs = by.get((t, *key)), [by.get((f, *key)) for f in bases]
+                    ok = a is not None and all(f is not None for f in fs)
+                    cells.append(f"{a / max(fs):.2f}" if ok else "")  # type: ignore[operator, type-var]
+                lines.append(f"| {t} | " + " | ".join(cells) + " |")
         lines += [
             "",
             "### llama-perplexity vs f16 (KL divergence base), 2048-token chunks of the pinned docs",

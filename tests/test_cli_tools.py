@@ -180,6 +180,19 @@ def test_a_configured_tier_runs_with_its_parameters(smollm2: Path) -> None:
     assert tier.at(8192) > sym.at(8192)  # the wider window and 3 layers at 3/3
 
 
+def test_bench_runs_a_type_without_flash_attention(smollm2: Path) -> None:
+    """ "T:fa0" is T under llama-bench -fa 0, interleaved with the others under its own name."""
+    from ott_gguf.bench import bench
+
+    seen: list[str] = []
+    rows = bench(smollm2, ["f16", "f16:fa0"], depths=[0], n_prompt=0, n_gen=4, threads=THREADS, reps=1,
+                 progress=seen.append)  # fmt: skip
+    assert [r.kv_type for r in rows] == ["f16", "f16:fa0"] and all(r.tokens_per_s > 0 for r in rows)
+    assert " -fa 1 " in seen[0] and " -fa 0 " in seen[1] and "-ctk f16 -ctv f16" in seen[1]
+    with pytest.raises(ValueError):
+        bench(smollm2, ["f17:fa0"], depths=[0], n_prompt=0, n_gen=4, threads=THREADS, reps=1)
+
+
 def test_ott_params_on_the_command_line() -> None:
     """--ott-params as llama.cpp's tools of this build take it: five to eight integers, switches 0 or 1."""
     import argparse
