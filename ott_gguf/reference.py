@@ -477,8 +477,8 @@ def attend(
     the query quantized per row and group: s = scale*(q.m + a*sum_c qi_c code_c), qi = rint(q*d/a),
     a = max|q*d|/127, in fp32 (the integer sums are exact).
 
-    int_values: weigh the sealed tokens' V codes as the integer V pass does (the AVX-512 kernels of 2-bit V):
-    per row, group and V block, the weights w_j = p_j d_j of the tokens read from their codes are quantized to
+    int_values: weigh the sealed tokens' V codes as the integer V pass does (the AVX-512 VNNI and AVX2 kernels of
+    2-bit V): per row, group and V block, the weights w_j = p_j d_j of the tokens read from their codes are quantized to
     q_j = rint(w_j*65535/wmax), wmax = max_j w_j, and the codes weighed by q_j*wmax/65535 (the mins keep p_j).
     The quantization is scale free, so the normalized p gives the kernel's q_j. Tokens read from codes: not pooled
     and, with v_rotate (the state's config), with every V block rotated (the others are served exactly).

@@ -125,9 +125,10 @@ def test_every_x86_isa_was_run() -> None:
 @pytest.mark.parametrize("isa", K.isas)
 @pytest.mark.parametrize("vrot", [False, True])
 def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
-    """Where attn_group weighs the V codes in integers (AVX-512 with VNNI, 2-bit V in one plane), its output is
-    the reference's int_values model and not fp32 attention; elsewhere the other way round. A query aimed at one
-    token leaves the others small weights, whose 16-bit quantization moves the output well past fp32 rounding."""
+    """Where attn_group weighs the V codes in integers (AVX-512 with VNNI or AVX2, 2-bit V in one plane), its
+    output is the reference's int_values model and not fp32 attention; elsewhere the other way round. A query aimed
+    at one token leaves the others small weights, whose 16-bit quantization moves the output well past fp32
+    rounding."""
     hk = head_set(2, 2, 128, 64, isa, vrot=vrot)
     cfg = ref.OttConfig(k_bits=2, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=vrot)
     rng = np.random.default_rng(5)
