@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from ott_gguf import build_info
 
@@ -134,3 +137,34 @@ def test_generator_and_reference_clip_tables_agree() -> None:
     assert gen.V_ROT_CLIP64 == quantizer.V_ROT_CLIP64
     hc = gen.HeadConfig(3, 2, 128, 64)
     assert (hc.k.clip, hc.v.clip, hc.vr.clip) == (quantizer.K_CLIP64[3], 64, quantizer.V_ROT_CLIP64[(2, 64)])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 renderings: compiled, not run")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])  # AVX2, AVX-512 (VNNI added below)
+def test_every_group_kernel_prefetches_the_next_group(tmp_path: Path, march: str) -> None:
+    """Each attn_group, as this machine's C compiler renders it, issues its prefetches of the next group. GCC 12
+    once dropped every call of the (then not always-inlined) prefetch helper in the 2-bit-V AVX2 kernels: their
+    state then came from DRAM without overlap (docs/decode-profile.md, 2026-11-27, the 2nd session)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed (the build needs one too)"
+    gen = tmp_path / "gen"
+    subprocess.run([sys.executable, str(GEN), "ggml", "--out", str(gen)], check=True, capture_output=True)
+    flags = [f"-march={march}"] + (["-mavx512vnni"] if march == "x86-64-v4" else [])
+    asm = tmp_path / "head.s"
+    subprocess.run(
+        [cc, "-O3", "-ffp-contract=off", *flags, "-I", str(gen), "-I", str(ROOT / "native" / "kernels"), "-S",
+         str(gen / "ott2-head.c"), "-o", str(asm)],
+        check=True,
+    )  # fmt: skip
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in asm.read_text().splitlines():
+        if line.endswith(":") and not line.startswith((" ", "\t", ".")):
+            name = line[:-1] if line[:-1].endswith("_attn_group") else None
+            if name:
+                bodies[name] = []
+        elif name:
+            bodies[name].append(line)
+    assert len(bodies) >= 16, sorted(bodies)  # every (K, V) width pair of the cache types, and the variants
+    missing = [n for n, body in bodies.items() if not any("prefetch" in ln for ln in body)]
+    assert not missing, f"no prefetch left in {missing}"
