@@ -101,10 +101,58 @@ int main(int argc, char ** argv) {
     }
     const char * pf_env = getenv("OTT_MB_OP_PREFETCH"); // 1: the next group into L2 before each call, as the op did
     const int op_pf = pf_env && atoi(pf_env);
-    for (int r = 0; r < reps; ++r) {
+    // OTT_MB_SLICE=SG[,SG...] with OTT_MB_AHEAD=A[,A...]: the groups in the op's slices of SG groups, even slices
+    // then odd ones (what one of two threads sees), each slice's first group prefetched by a burst before it as the
+    // op does, and with A > 0 the first groups of the A slices after it too. Several configurations alternate rep
+    // by rep over the same buffers (this machine's DRAM rate moves between processes), one best time each.
+    int sgs[8] = {0}, aheads[8] = {0}, n_conf = 1;
+    const char * sl_env = getenv("OTT_MB_SLICE"), * ah_env = getenv("OTT_MB_AHEAD");
+    for (const char * e = sl_env; e && *e && n_conf <= 8; ++n_conf) {
+        sgs[n_conf - 1] = atoi(e);
+        e = strchr(e, ',');
+        if (!e) {
+            break;
+        }
+        ++e;
+    }
+    for (int c = 0, i = 0; ah_env && c < 8; ++c) {
+        aheads[c] = atoi(ah_env + i);
+        const char * e = strchr(ah_env + i, ',');
+        if (!e) {
+            break;
+        }
+        i = (int) (e - ah_env) + 1;
+    }
+    double bests[8] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
+    for (int r = 0; r < reps*n_conf; ++r) {
+        const int conf = r % n_conf, SG = sgs[conf], ahead = aheads[conf];
+        const int n_sl = SG > 0 ? (NG + SG - 1)/SG : 0;
         reset_rows(NR, D, M, L, acc);
         const double t0 = now();
-        for (int g = 0; g < NG; ++g) {
+        for (int gi = 0; gi < NG; ++gi) {
+            int g = gi;
+            if (SG > 0) {
+                const int k = gi/SG, sl = k < (n_sl + 1)/2 ? 2*k : 2*(k - (n_sl + 1)/2) + 1;
+                g = sl*SG + gi % SG;
+                if (g >= NG) {
+                    continue;
+                }
+                if (gi % SG == 0) {
+                    for (int a = 0; a <= ahead; ++a) { // this slice's first group; with ahead, the next slice's too
+                        const int ka = k + a, sa = ka < (n_sl + 1)/2 ? 2*ka : 2*(ka - (n_sl + 1)/2) + 1;
+                        if (a > 0 && (ka >= n_sl || sa*SG >= NG)) {
+                            break;
+                        }
+                        const size_t ga = (size_t) sa*SG;
+                        for (size_t o = 0; o < kbytes; o += 64) {
+                            __builtin_prefetch((const char *) kq + ga*kbytes + o, 0, 1);
+                        }
+                        for (size_t o = 0; o < vbytes; o += 64) {
+                            __builtin_prefetch((const char *) vq + ga*vbytes + o, 0, 1);
+                        }
+                    }
+                }
+            }
             for (size_t o = 0; op_pf && g + 1 < NG && o < kbytes; o += 64) {
                 __builtin_prefetch((const char *) kq + (g + 1)*kbytes + o, 0, 1);
             }
@@ -124,8 +172,12 @@ int main(int argc, char ** argv) {
             (void) nc;
         }
         const double t = now() - t0;
-        best = t < best ? t : best;
+        bests[conf] = t < bests[conf] ? t : bests[conf];
+        best = bests[0];
         sink += acc[0]/L[0];
+    }
+    for (int c = 0; n_conf > 1 && c < n_conf; ++c) {
+        printf("{\"slice\": %d, \"ahead\": %d, \"ns_per_group\": %.1f}\n", sgs[c], aheads[c], bests[c]/NG*1e9);
     }
     printf("{\"kbits\": %d, \"vbits\": %d, \"D\": %d, \"rows\": %d, \"groups\": %d, \"ns_per_group\": %.1f, "
            "\"bytes_per_group\": %zu, \"GBps\": %.2f, \"isa\": \"%s\", \"sink\": %g}\n", kbits, vbits, D, NR, NG,

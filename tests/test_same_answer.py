@@ -87,6 +87,31 @@ def test_logits_do_not_depend_on_batching(smollm2: Path, prompt_tokens: list[int
         assert worst == 0.0
 
 
+@pytest.mark.parametrize("kv_type", ["ott2", "ott3/ott2"])
+def test_logits_do_not_depend_on_the_thread_count(smollm2: Path, kv_type: str) -> None:
+    """A 1400-token prompt in ubatches of 512, then three tokens decoded one at a time, on 1, 2 and 3 threads: the
+    same logits bit for bit after the prompt and after every decoded token. The attention op hands its units
+    (stream, head, slice, token chunk) to the threads by contiguous home ranges and a shared counter; which thread
+    runs a unit must change nothing it computes. 1400 tokens in a 2048 context: 10 sealed groups in 3 non-empty
+    slices of 4 per head, so 2 and 3 threads split them differently, in prefill (chunks of 32 tokens) and decode."""
+    tokens = doc_prefix(smollm2, 1400)
+    runs = []
+    for n_threads in (1, 2, 3):
+        llm = Llama(str(smollm2), kv_type=kv_type, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=n_threads,
+                    n_threads_batch=n_threads, verbose=False)  # fmt: skip
+        llm.eval(tokens)
+        got = [logits_now(llm)]
+        for t in (260, 1001, 42):
+            llm.eval([t])
+            got.append(logits_now(llm))
+        llm.close()
+        runs.append(np.stack(got))
+    assert np.isfinite(runs[0]).all()
+    for n_threads, x in zip((2, 3), runs[1:], strict=True):
+        diff = float(np.abs(x - runs[0]).max())
+        assert diff == 0.0, f"{kv_type}: {n_threads} threads moved the logits by {diff} from 1 thread"
+
+
 def test_prefix_reuse_cuts_only_where_it_is_lossless(smollm2: Path, prompt_tokens: list[int]) -> None:
     """After 700 positions (5 groups sealed), cutting at 450 would serve sealed 2-bit tokens that a fresh run holds
     in fp16: seq_rm refuses it (nothing changes) and ott_gguf.Llama processes the prefix again; cutting at 690

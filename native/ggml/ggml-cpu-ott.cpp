@@ -64,9 +64,9 @@ constexpr int64_t OTT_TOK_CHUNK = 32;
 
 // rows of one (stream, KV head): row r = t*gq + k for ubatch token t and query head h*gq + k
 // part: F32 [D + 2, gq*n_tok, H, ns*(NS + 1)]: acc[0, D), M at D, L at D + 1
-// With a threadpool the units are handed out from its shared counter, largest first: the fp16 tails (the recent
-// window plus the ubatch: 5 us at D 64 on a Zen 4, against 1.3 us per sealed group) before the sealed slices,
-// slice 0 of every head before slice 1, so the threads finish together; a static stride put every tail on one
+// With a threadpool each thread first runs its home range (below), then takes units from the pool's shared counter,
+// the largest first: the fp16 tails (the recent window plus the ubatch: 5 us at D 64 on a Zen 4, against 1.3 us per
+// sealed group), then the sealed units left, so the threads finish together; a static stride put every tail on one
 // thread. Which thread runs a unit changes nothing it computes.
 void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     const ggml_ott_params & p = *(const ggml_ott_params *) dst->op_params;
@@ -83,19 +83,68 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     thread_local std::vector<int32_t> qpos, cj;
     thread_local std::vector<uint16_t> ck, cv, tk, tv;
     scratch.resize((size_t) 2*G*D + 16);
-    const int64_t n_units = v.ns*p.H*NS1*n_tc, n_tails = v.ns*p.H*n_tc;
+    const int64_t n_tails = v.ns*p.H*n_tc;
+    // Sealed units with groups in them, in memory order (stream, head, slice, chunk), and the empty ones. Each thread
+    // first runs a contiguous home range of the non-empty ones, so the group after its current one is the one it
+    // reads next (the kernel prefetches it, the hardware prefetcher keeps its streams): units dealt one at a time
+    // alternate between the threads and every slice (4 groups at decode) started cold. The last quarter and the
+    // empty units are taken from the shared counter after the tails, so the threads still finish together.
+    const int32_t SG = ggml_ott_slice_groups(p.NG, p.NS); // absolute slices: batch invariance
+    thread_local std::vector<int64_t> full_from; // per stream: its first non-empty unit's index
+    full_from.resize(v.ns + 1);
+    int64_t n_full = 0;
+    for (int64_t si = 0; si < v.ns; ++si) {
+        full_from[si] = n_full;
+        n_full += p.H*std::min<int64_t>(p.NS, (v.plan_of(si)[2] + SG - 1)/SG)*n_tc;
+    }
+    full_from[v.ns] = n_full;
+    const int64_t n_empty = v.ns*p.H*p.NS*n_tc - n_full;
+    const int64_t n_home = tp && nth > 1 ? n_full*3/4 : 0;
+    const int64_t n_units = n_tails + (n_full - n_home) + n_empty; // taken from the counter
+    // unit w of the non-empty ones, or of the empty ones -> (stream, head, slice, chunk)
+    auto full_unit = [&](int64_t w, int64_t & si, uint32_t & h, int64_t & k, int64_t & tc) {
+        si = std::upper_bound(full_from.begin(), full_from.end(), w) - full_from.begin() - 1;
+        const int64_t nk = (full_from[si + 1] - full_from[si])/(p.H*n_tc), r = w - full_from[si];
+        tc = r % n_tc; k = (r / n_tc) % nk; h = (uint32_t) (r / (n_tc*nk));
+    };
+    auto empty_unit = [&](int64_t e, int64_t & si, uint32_t & h, int64_t & k, int64_t & tc) {
+        for (si = 0; si < v.ns; ++si) {
+            const int64_t nk = (full_from[si + 1] - full_from[si])/(p.H*n_tc), ne = p.H*(p.NS - nk)*n_tc;
+            if (e < ne) {
+                tc = e % n_tc; k = nk + (e / n_tc) % (p.NS - nk); h = (uint32_t) (e / (n_tc*(p.NS - nk)));
+                return;
+            }
+            e -= ne;
+        }
+        GGML_ABORT("ott_attn_part: empty unit out of range");
+    };
     if (tp) {
         if (ith == 0) {
             ggml_threadpool_chunk_set(tp, nth);
         }
         ggml_barrier(tp); // the counter is shared with every op: set before anyone takes from it
     }
-    for (int64_t o = ith; o < n_units; o = tp ? ggml_threadpool_chunk_add(tp, 1) : o + nth) {
-        const int64_t u  = o < n_tails ? o : o - n_tails; // [tails: si, h, tc] then [slices: k, si, h, tc]
-        const int64_t tc = u % n_tc;
-        const uint32_t h = (uint32_t) ((u / n_tc) % p.H);
-        const int64_t si = (u / (n_tc*p.H)) % v.ns;
-        const int64_t k  = o < n_tails ? NS1 - 1 : u / (n_tc*p.H*v.ns);
+    const int64_t home0 = n_home*ith/nth, home1 = n_home*(ith + 1)/nth;
+    int64_t o = ith, w_home = home0; // o: the counter's value this thread holds
+    while (true) {
+        int64_t si, k, tc;
+        uint32_t h;
+        bool took = true; // the unit came from the counter: take the next value after it
+        if (o < n_tails) { // [tails: si, h, tc]
+            tc = o % n_tc; h = (uint32_t) ((o / n_tc) % p.H); si = o / (n_tc*p.H); k = NS1 - 1;
+        } else if (w_home < home1) {
+            full_unit(w_home++, si, h, k, tc);
+            took = false;
+        } else if (o < n_units) {
+            const int64_t d = o - n_tails;
+            if (d < n_full - n_home) {
+                full_unit(n_home + d, si, h, k, tc);
+            } else {
+                empty_unit(d - (n_full - n_home), si, h, k, tc);
+            }
+        } else {
+            break;
+        }
         const int32_t * pl = v.plan_of(si);
         const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
         const int64_t t0 = tc*OTT_TOK_CHUNK, t1 = std::min(v.n_tok, t0 + OTT_TOK_CHUNK);
@@ -112,7 +161,6 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
         }
         if (k < NS1 - 1) {
             // sealed groups [g0, g1) of this slice; pooled tokens inside a group cover it
-            const int32_t SG = ggml_ott_slice_groups(p.NG, p.NS); // absolute slices: batch invariance
             const int32_t g0 = std::min(n_sealed, (int32_t) k*SG), g1 = std::min(n_sealed, (int32_t) (k + 1)*SG);
             const int32_t * meta = v.meta(s, h);
             const ott_slot_meta * slots = (const ott_slot_meta *) meta;
@@ -170,10 +218,13 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
             }
         }
         for (int64_t r = 0; r < nr; ++r) {
-            float * o = (float *) ((char *) dst->data + (t0*gq + r)*dst->nb[1] + h*dst->nb[2] + (si*NS1 + k)*dst->nb[3]);
-            memcpy(o, &acc[(size_t) r*D], D*sizeof(float));
-            o[D] = M[r];
-            o[D + 1] = L[r];
+            float * out = (float *) ((char *) dst->data + (t0*gq + r)*dst->nb[1] + h*dst->nb[2] + (si*NS1 + k)*dst->nb[3]);
+            memcpy(out, &acc[(size_t) r*D], D*sizeof(float));
+            out[D] = M[r];
+            out[D + 1] = L[r];
+        }
+        if (took) {
+            o = tp ? ggml_threadpool_chunk_add(tp, 1) : o + nth;
         }
     }
 }
