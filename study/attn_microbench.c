@@ -38,6 +38,17 @@ static void reset_rows(int NR, int D, float * M, float * L, float * acc) {
     memset(acc, 0, sizeof(float)*NR*D);
 }
 
+// "a,b,c" -> up to 8 ints; 1 (a zero) when s is NULL
+static int parse_ints(const char * s, int * out) {
+    int n = 0;
+    while (s && n < 8) {
+        out[n++] = atoi(s);
+        s = strchr(s, ',');
+        s = s ? s + 1 : NULL;
+    }
+    return n > 0 ? n : 1;
+}
+
 int main(int argc, char ** argv) {
     const int kbits = argc > 1 ? atoi(argv[1]) : 2, vbits = argc > 2 ? atoi(argv[2]) : 2;
     const int D = argc > 3 ? atoi(argv[3]) : 64, NR = argc > 4 ? atoi(argv[4]) : 3;
@@ -105,24 +116,9 @@ int main(int argc, char ** argv) {
     // then odd ones (what one of two threads sees), each slice's first group prefetched by a burst before it as the
     // op does, and with A > 0 the first groups of the A slices after it too. Several configurations alternate rep
     // by rep over the same buffers (this machine's DRAM rate moves between processes), one best time each.
-    int sgs[8] = {0}, aheads[8] = {0}, n_conf = 1;
-    const char * sl_env = getenv("OTT_MB_SLICE"), * ah_env = getenv("OTT_MB_AHEAD");
-    for (const char * e = sl_env; e && *e && n_conf <= 8; ++n_conf) {
-        sgs[n_conf - 1] = atoi(e);
-        e = strchr(e, ',');
-        if (!e) {
-            break;
-        }
-        ++e;
-    }
-    for (int c = 0, i = 0; ah_env && c < 8; ++c) {
-        aheads[c] = atoi(ah_env + i);
-        const char * e = strchr(ah_env + i, ',');
-        if (!e) {
-            break;
-        }
-        i = (int) (e - ah_env) + 1;
-    }
+    int sgs[8] = {0}, aheads[8] = {0};
+    const int n_sg = parse_ints(getenv("OTT_MB_SLICE"), sgs), n_ah = parse_ints(getenv("OTT_MB_AHEAD"), aheads);
+    const int n_conf = n_sg > n_ah ? n_sg : n_ah;
     double bests[8] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
     for (int r = 0; r < reps*n_conf; ++r) {
         const int conf = r % n_conf, SG = sgs[conf], ahead = aheads[conf];
