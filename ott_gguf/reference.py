@@ -465,7 +465,7 @@ def attend(
     q_pos: np.ndarray,
     scale: float | None = None,
     int8_query: bool = False,
-    int_values: bool = False,
+    int_values: int = 0,
     v_rotate: bool = False,
 ) -> np.ndarray:
     """Attention of query rows q (n, D) at positions q_pos (n,) over one head's cache, with cover semantics.
@@ -477,12 +477,15 @@ def attend(
     the query quantized per row and group: s = scale*(q.m + a*sum_c qi_c code_c), qi = rint(q*d/a),
     a = max|q*d|/127, in fp32 (the integer sums are exact).
 
-    int_values: weigh the sealed tokens' V codes as the integer V pass does (the AVX-512 VNNI and AVX2 kernels of
-    2-bit V): per row, group and V block, the weights w_j = p_j d_j of the tokens read from their codes are quantized to
-    q_j = rint(w_j*65535/wmax), wmax = max_j w_j, and the codes weighed by q_j*wmax/65535 (the mins keep p_j).
-    The quantization is scale free, so the normalized p gives the kernel's q_j. Tokens read from codes: not pooled
-    and, with v_rotate (the state's config), with every V block rotated (the others are served exactly).
+    int_values: the bits B of the integer weights with which the integer V pass weighs the sealed tokens' V codes
+    (16: the AVX-512 VNNI kernels, 8: AVX2; 0: fp32). Per row, group and V block, the weights w_j = p_j d_j of the
+    tokens read from their codes are quantized to q_j = rint(w_j*(2^B - 1)/wmax), wmax = max_j w_j, and the codes
+    weighed by q_j*wmax/(2^B - 1) (the mins keep p_j). The quantization is scale free, so the normalized p gives the
+    kernel's q_j. Tokens read from codes: not pooled and, with v_rotate (the state's config), with every V block
+    rotated (the others are served exactly).
     """
+    if isinstance(int_values, bool) or int_values not in (0, 8, 16):
+        raise ValueError(f"int_values must be 0, 8 or 16 (the integer weights' bits), not {int_values!r}")
     q = np.asarray(q, dtype=np.float32)
     q_pos = np.asarray(q_pos, dtype=np.int64)
     pos, k, v = state.served()
@@ -507,17 +510,17 @@ def attend(
     p /= p.sum(axis=1, keepdims=True)
     out = (p @ v).astype(np.float32)
     if int_values:
-        out += _int_values_error(state, p, v_rotate)
+        out += _int_values_error(state, p, v_rotate, int_values)
     return out
 
 
-def _int_values_error(state: HeadState, p: np.ndarray, v_rotate: bool) -> np.ndarray:
-    """What the integer V pass adds to p @ v: sum_j (q_j*wmax/65535 - w_j) code_j per group and V block (see
+def _int_values_error(state: HeadState, p: np.ndarray, v_rotate: bool, bits: int) -> np.ndarray:
+    """What the integer V pass adds to p @ v: sum_j (q_j*wmax/(2^bits - 1) - w_j) code_j per group and V block (see
     attend), in the stored basis, turned back with v_rotate."""
     n, D, G = p.shape[0], state.head_dim, state.G
     pooled = set(state.pooled().pos.tolist())
     err = np.zeros((n, D), np.float32)
-    one = np.float32(65535.0)
+    one = np.float32((1 << bits) - 1)
     for g in state.groups:
         rot = g.v_rotated.all(axis=1)
         cols = np.array([j for j in range(G) if g.index * G + j not in pooled and (rot[j] or not v_rotate)], np.int64)

@@ -69,7 +69,7 @@ class HeadKernels(Protocol):
     k_block_bytes: int
     v_block_bytes: int
     vrot: bool  # V stored rotated
-    vint: bool  # attn_group weighs V codes in integers (reference.attend int_values)
+    vint: int  # bits of the integer V weights, 0: fp32 (reference.attend int_values)
 
     def seal(self, gk: np.ndarray, gv: np.ndarray, pos0: int, outlier_num: int, aux_cap: int, pool: PoolArrays,
              aux: PoolArrays, tracing: bool) -> SealResult: ...  # fmt: skip
@@ -186,7 +186,15 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
     got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
                        st.tail_v)  # fmt: skip
     want = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=hk.vint, v_rotate=hk.vrot)
-    np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
+    if hk.vint == 8:
+        # a weight whose rint sits within rounding of a tie may round the other way in the kernel (its exp is not
+        # numpy's): that row moves by one weight step, wmax/255 of a token's codes, at most 2*vmax/255. One such
+        # row of the four is allowed; every other element equals the model within fp32 rounding
+        err = np.abs(got - want)
+        off = (err > 2e-4 * np.abs(want) + 5e-5 * vmax).any(axis=1)
+        assert int(off.sum()) <= 1 and float(err.max()) <= 2 * vmax / 255, (off, float(err.max()) / vmax)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
     exact = ref.attend(st, q, q_pos, scale)
     assert float(np.abs(got - exact).max()) <= 0.05 * vmax
 

@@ -175,7 +175,7 @@ class HeadKernelSet:
     vrot: bool = False
     kmix: bool = False
     vsym: bool = False  # symmetric V blocks (v_sym)
-    vint: bool = False  # attn_group weighs V codes in integers (reference.attend int_values)
+    vint: int = 0  # bits of the integer V weights, 0: fp32 (reference.attend int_values)
 
     def k_group_bytes(self, D: int) -> int:
         """Bytes of one sealed K group of the head (k_mix: the D channel blocks plus their 2-bit width table)."""
@@ -351,7 +351,7 @@ class Kernels:
                 t,
                 kmix=bool(t.kmix),
                 vsym=bool(t.vsym),
-                vint=bool(t.vint()),
+                vint=int(t.vint()),
             )
             for t in (heads[i] for i in range(n[0]))
         ]

@@ -125,11 +125,12 @@ def test_every_x86_isa_was_run() -> None:
 @pytest.mark.parametrize("isa", K.isas)
 @pytest.mark.parametrize("vrot", [False, True])
 def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
-    """Where attn_group weighs the V codes in integers (AVX-512 with VNNI or AVX2, 2-bit V in one plane), its
-    output is the reference's int_values model and not fp32 attention; elsewhere the other way round. A query aimed
-    at one token leaves the others small weights, whose 16-bit quantization moves the output well past fp32
-    rounding."""
+    """Where attn_group weighs the V codes in integers (2-bit V in one plane: AVX-512 with VNNI with 16-bit
+    weights, AVX2 with 8-bit ones), its output is the reference's int_values model of those bits and neither fp32
+    attention nor the other width's model; elsewhere it is fp32. A query aimed at one token leaves the others small
+    weights, whose quantization moves the output past fp32 rounding (16 bits) or far past it (8 bits)."""
     hk = head_set(2, 2, 128, 64, isa, vrot=vrot)
+    assert hk.vint == {"avx2": 8, "avx512vnni": 16}.get(isa, 0)
     cfg = ref.OttConfig(k_bits=2, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=vrot)
     rng = np.random.default_rng(5)
     n, D = 4 * 128 + 40, 64
@@ -142,11 +143,13 @@ def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
     q_pos = np.full(len(q), st.n_pos - 1, np.int32)
     scale = 1.0 / math.sqrt(D)
     got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
-    model = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=True, v_rotate=vrot)
-    plain = ref.attend(st, q, q_pos, scale, int8_query=True)
-    gap = float(np.abs(model - plain).max())
+    models = {bits: ref.attend(st, q, q_pos, scale, int8_query=True, int_values=bits, v_rotate=vrot)
+              for bits in (0, 8, 16)}  # fmt: skip
     vmax = float(np.abs(st.served()[2]).max())
-    assert 5e-6 * vmax < gap < 1e-3 * vmax  # the quantized weights move the output, a little, past fp32 rounding
-    want, other = (model, plain) if hk.vint else (plain, model)
-    assert float(np.abs(got - want).max()) < 0.25 * gap
-    assert float(np.abs(got - other).max()) > 0.5 * gap
+    gap16 = float(np.abs(models[16] - models[0]).max())
+    gap8 = float(np.abs(models[8] - models[0]).max())
+    assert 5e-6 * vmax < gap16 < 1e-3 * vmax  # 16-bit weights move the output a little past fp32 rounding
+    assert 20 * gap16 < gap8 < 0.02 * vmax  # 8-bit ones much more, still far below the 2-bit codes' own error
+    for bits, want in models.items():  # the declared model within fp32 rounding, every other one well apart
+        err = float(np.abs(got - want).max())
+        assert err < 0.25 * gap16 if bits == hk.vint else err > 0.5 * gap16, bits

@@ -187,7 +187,7 @@ class QemuHead:
                      str(int(vrot))]  # fmt: skip
         self.kbits, self.vbits, self.G, self.Gv, self.isa, self.vrot = kbits, vbits, G, Gv, isa, vrot
         self.kmix, self.vsym = kmix, vsym
-        self.vint = False  # the integer V pass is x86's only (ott_isa.j2 OTT_VINT, OTT_VINT16)
+        self.vint = 0  # the integer V pass is x86's only (ott_isa.j2 OTT_VINT, OTT_VINT16)
         self.k_block_bytes = Q.BlockFormat(kbits, G).block_bytes
         self.v_block_bytes = Q.BlockFormat(vbits, Gv, sym=vsym).block_bytes
 
