@@ -153,3 +153,33 @@ def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
     for bits, want in models.items():  # the declared model within fp32 rounding, every other one well apart
         err = float(np.abs(got - want).max())
         assert err < 0.25 * gap16 if bits == hk.vint else err > 0.5 * gap16, bits
+
+
+@pytest.mark.parametrize("isa", K.isas)
+@pytest.mark.parametrize("kbits,D", [(2, 64), (3, 64), (2, 256)])
+def test_a_row_does_not_depend_on_its_call(isa: str, kbits: int, D: int) -> None:
+    """attn_group computes every query row on its own: a call of n rows gives each row bit for bit what a call with
+    that row alone gives, whatever blocks the kernel cuts the rows into (key scores of up to 4 rows at once, the V
+    pass's OTT_RB, 16 rows per block). Batch invariance rests on it: a token's attention may not depend on the
+    ubatch it came in."""
+    hk = head_set(kbits, 2, 128, 64, isa)
+    cfg = ref.OttConfig(k_bits=kbits, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=False,
+                        k_mix=False)  # fmt: skip
+    rng = np.random.default_rng(kbits + D)
+    n = 3 * 128 + 40
+    k, v = keys_values(rng, n, D)
+    st, nat = lockstep(hk, cfg, 3, k, v, [n])
+    pooled = st.pooled()
+    kq, vq = np.concatenate(nat.kq), np.concatenate(nat.vq)
+    lo = st.n_sealed * st.G
+    scale = 1.0 / math.sqrt(D)
+    q = (rng.standard_normal((19, D)) * 0.5).astype(np.float32)
+    q_pos = np.full(len(q), st.n_pos - 1, np.int32)
+
+    def rows(i: int, j: int) -> np.ndarray:
+        return hk.attn_rows(q[i:j], q_pos[i:j], scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo,
+                            st.tail_k, st.tail_v)  # fmt: skip
+
+    full = rows(0, len(q))
+    for i, j in [(0, 1), (5, 6), (18, 19), (0, 2), (3, 6), (0, 4), (1, 6), (2, 9), (0, 17)]:
+        np.testing.assert_array_equal(rows(i, j), full[i:j], err_msg=f"rows {i}..{j - 1}")
