@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -168,3 +169,54 @@ def test_every_group_kernel_prefetches_the_next_group(tmp_path: Path, march: str
     assert len(bodies) >= 16, sorted(bodies)  # every (K, V) width pair of the cache types, and the variants
     missing = [n for n, body in bodies.items() if not any("prefetch" in ln for ln in body)]
     assert not missing, f"no prefetch left in {missing}"
+
+
+# libstdc++'s own code (the locale facets, iostreams' base, the code converters), which a library defines only if
+# a static copy of libstdc++ was linked into it and left exported
+LIBSTDCXX_OWN = re.compile(r"std::(locale::|ios_base::|codecvt|__codecvt)|std::[\w:]+<[^>]*>::id$")
+
+
+def libstdcxx_own_symbols(lib: Path) -> list[str]:
+    res = subprocess.run(["nm", "-D", "--defined-only", "-C", str(lib)], capture_output=True, text=True, check=True)
+    return [ln for ln in res.stdout.splitlines() if LIBSTDCXX_OWN.search(ln)]
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or shutil.which("nm") is None, reason="ELF libraries and nm")
+def test_no_library_exports_a_copy_of_libstdcxx(tmp_path: Path) -> None:
+    """No library of the package may export libstdc++'s internals. The GPU machines' compiler (2026-11-26,
+    2026-11-27) linked libstdc++ into every library: each exported its own copy, the process's libstdc++ and
+    libllama bound to one of them, and the Python API crashed in std::regex loading a vocabulary. CMakeLists.txt
+    links every library with --exclude-libs,ALL. The probe (a static libstdc++ with and without that option) shows
+    that the check sees such a copy and that the option hides it."""
+    from ott_gguf._lib import LIB_DIR
+
+    src = tmp_path / "probe.cpp"
+    src.write_text('#include <regex>\n#include <string>\nextern "C" int probe(const char * s) '
+                   '{ return std::regex_search(std::string(s), std::regex("[a-z]+")) ? 1 : 0; }\n')  # fmt: skip
+    cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
+    for name, extra in (("exported", []), ("hidden", ["-Wl,--exclude-libs,ALL"])):
+        cmd = [cxx, "-O1", "-fPIC", "-shared", "-static-libstdc++", *extra, str(src), "-o", str(tmp_path / name)]
+        subprocess.run(cmd, check=True, capture_output=True)
+    assert len(libstdcxx_own_symbols(tmp_path / "exported")) > 100
+    assert libstdcxx_own_symbols(tmp_path / "hidden") == []
+    libs = [p for p in LIB_DIR.glob("lib*.so*") if not p.is_symlink()]
+    assert len(libs) >= 6, libs
+    found = {p.name: own for p in libs if (own := libstdcxx_own_symbols(p))}
+    assert not found, {name: (len(own), own[:3]) for name, own in found.items()}
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or shutil.which("ldd") is None, reason="ELF libraries and ldd")
+def test_every_library_and_tool_resolves_its_symbols() -> None:
+    """Hiding what static archives bring in (--exclude-libs) must not take a symbol away from a library or tool
+    that needs it: a shared library links with undefined symbols, and the loss would show only when it loads."""
+    from ott_gguf._lib import BIN_DIR, LIB_DIR
+
+    files = [p for p in (*LIB_DIR.glob("lib*.so*"), *BIN_DIR.iterdir()) if not p.is_symlink()]
+    assert len(files) >= 10, files
+    env = {**os.environ, "LD_LIBRARY_PATH": str(LIB_DIR)}
+    missing = {}
+    for f in files:
+        res = subprocess.run(["ldd", "-r", str(f)], capture_output=True, text=True, env=env)
+        if lines := [ln.strip() for ln in (res.stdout + res.stderr).splitlines() if "undefined symbol" in ln]:
+            missing[f.name] = lines[:3]
+    assert not missing, missing

@@ -1,7 +1,10 @@
 #!/bin/bash
 # On the GPU machine, in the background: what `make gpu-test` does, with no network (bundle.sh brought the
-# inputs): CUDA build for this GPU, the GPU tests (each group in its own pytest, so that a crash hides nothing
-# else), ott2/q4_0 KL divergence against f16 on the GPU and on the CPU through llama-perplexity, the benchmark.
+# inputs), most important first, since a lease can end before the last step: CUDA build for this GPU; the
+# libstdc++ check and the in-process tests (each group in its own pytest, so that a crash hides nothing else; the
+# native backtrace only where one crashed); op placement; per-kernel device time of the ott ops (ncu); decode
+# speed at depth 4096; ott2/q4_0 KL divergence against f16 on the GPU; the kernels against the numpy reference;
+# the whole benchmark (study.gpu_check) only where FULL_BENCH is set.
 W=/tmp/ott
 export OTT_GGUF_CACHE=$W/cache/ott-gguf PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -24,29 +27,44 @@ B=$(cd / && python3 -c 'import ott_gguf._lib as l; print(l.bin_path("llama-bench
 cd tests
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
 log "a copy of libstdc++ inside libggml-cuda? (the test, then the library's link line)"
-timeout 60 $PT test_gpu.py -k libstdcxx 2>&1 | tail -4
+timeout 120 $PT test_build.py -k libstdcxx 2>&1 | tail -4
 (cd $W/build && ninja -t commands "$(ninja -t targets all | grep -o '^[^:]*libggml-cuda\.so\.[0-9.]*[0-9]' | head -1)" \
   | tail -1 | tr ' ' '\n' | grep -v '\.o$' | grep .)
-log "kernel ops on the GPU against the numpy reference"; timeout 300 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -20
-log "op placement"; timeout 300 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -20
+crashed=""
 for kv in f16 q8_0 q4_0 ott2; do
-  log "GPU vs CPU logits, $kv"; timeout 300 $PT test_gpu.py -k "logits and $kv" 2>&1 | tail -12
+  log "GPU vs CPU logits, $kv (in process)"; timeout 240 $PT test_gpu.py -k "logits and $kv" 2>&1 | tail -8
+  [ "${PIPESTATUS[0]}" = 0 ] || crashed="logits and $kv"
 done
-log "greedy generation"; timeout 300 $PT test_gpu.py -k greedy 2>&1 | tail -16
-log "where an in-process load crashes: its native backtrace"
-timeout 240 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "bt 20" --args $PT test_gpu.py -k "logits and f16" 2>&1 \
-  | grep -A22 "received signal" | head -24
+log "greedy generation (in process)"; timeout 240 $PT test_gpu.py -k greedy 2>&1 | tail -10
+if [ -n "$crashed" ]; then
+  log "where the in-process run of '$crashed' failed: its native backtrace, if it crashed"
+  timeout 180 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "bt 20" --args $PT test_gpu.py -k "$crashed" \
+    2>&1 | grep -A22 "received signal" | head -24
+fi
+log "op placement"; timeout 240 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
-log "KL divergence against f16 on the GPU (-ngl 99) and the CPU (-ngl 0)"
-D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
-for ngl in 99 0; do
-  $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl $ngl -t $(nproc) --kl-divergence-base $W/base$ngl.kld \
-    2>&1 | grep "Final estimate"
-  for kv in ott2 q4_0; do
-    echo "-ngl $ngl $kv:"; timeout 300 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl $ngl -t $(nproc) \
-      -ctk $kv -ctv $kv -fa on --kl-divergence-base $W/base$ngl.kld --kl-divergence 2>&1 | grep -E "Mean    KLD|Same top p"
-  done
+log "ncu: device time of each ott kernel launch, ott2 at depth 4096 (prefill ubatches, then 8 decoded tokens)"
+# the time only: metrics that need replay passes (DRAM, SM throughput) over 2400 launches ran past 240 s
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+timeout 150 $NCU --csv --kernel-name-base function --kernel-name regex:ott2_ --launch-count 2400 \
+  --metrics gpu__time_duration.sum \
+  $B/llama-bench -m $M -ctk ott2 -ctv ott2 -fa 1 -p 0 -n 8 -d 4096 -r 1 -ngl 99 --no-warmup > $W/ncu-ott2.csv 2> $W/ncu.err
+echo "ncu rc=$? $(wc -l < $W/ncu-ott2.csv) lines"; tail -3 $W/ncu.err
+python3 study/gpu_offline/ncu_summary.py $W/ncu-ott2.csv
+log "decode speed, f16 and ott2 at depth 4096 (tg64, 3 repetitions)"
+for kv in f16 ott2; do
+  timeout 120 $B/llama-bench -m $M -ctk $kv -ctv $kv -fa 1 -p 0 -n 64 -d 4096 -r 3 -ngl 99 2>/dev/null | grep tg64
 done
-log bench
-timeout 900 python3 -m study.gpu_check --skip-tests --out $W/benchmarks-gpu.md 2>&1 | grep -v "^load\|^print_info\|^llama_model_load" | tail -24
+log "KL divergence against f16 on the GPU (-ngl 99)"
+D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
+$B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) --kl-divergence-base $W/base.kld \
+  2>&1 | grep "Final estimate"
+for kv in ott2 q4_0; do
+  echo "$kv:"; timeout 120 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) \
+    -ctk $kv -ctv $kv -fa on --kl-divergence-base $W/base.kld --kl-divergence 2>&1 | grep -E "Mean    KLD|Same top p"
+done
+log "kernel ops on the GPU against the numpy reference"
+(cd tests && timeout 300 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -12)
+log bench; [ -n "$FULL_BENCH" ] && timeout 600 python3 -m study.gpu_check --skip-tests --out $W/benchmarks-gpu.md 2>&1 \
+  | grep -v "^load\|^print_info\|^llama_model_load" | tail -24
 log done; touch $W/done
