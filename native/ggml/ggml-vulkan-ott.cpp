@@ -124,7 +124,7 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
           ggml_vk_tensor_subbuffer(ctx, s[3]), ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]),
           ggml_vk_tensor_subbuffer(ctx, s[6]), ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]),
           ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
-        ott_vk_grid(ctx->device, ns*p.H*(p.NS + 1)*n_tok)); // a unit per token (OTT_TC = 1 in the shaders)
+        ott_vk_grid(ctx->device, ns*p.H*(p.NS + 1)*n_tok*p.n_head/p.H)); // a unit per token (OTT_TC = 1) and query head
 }
 
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
