@@ -26,7 +26,7 @@ M=$OTT_GGUF_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf
 B=$(cd / && python3 -c 'import ott_gguf._lib as l; print(l.bin_path("llama-bench").parent)')
 cd tests
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
-log "a copy of libstdc++ inside libggml-cuda? (the test, then the library's link line)"
+log "a copy of libstdc++ exported by any library? (the test, then libggml-cuda's link line)"
 timeout 120 $PT test_build.py -k libstdcxx 2>&1 | tail -4
 (cd $W/build && ninja -t commands "$(ninja -t targets all | grep -o '^[^:]*libggml-cuda\.so\.[0-9.]*[0-9]' | head -1)" \
   | tail -1 | tr ' ' '\n' | grep -v '\.o$' | grep .)
