@@ -1,7 +1,8 @@
 // Time of the attention partial's sealed-group kernel alone (issue 15, docs/decode-profile.md): one thread,
 // NG groups of one KV head sealed from random K/V (rotated V, outliers traced, as the cache runs), then
 // attn_group over all of them for NR query rows (decode: the GQA heads of one KV head), repeated.
-// Prints one JSON line: ns per group call and the state bytes per group, for the (K, V) widths given.
+// Prints one JSON line: ns per group call (the best and the median repetition), the state bytes per group and the
+// pooled tokens per group passed to the kernel, for the (K, V) widths given.
 // With an 8th argument N_TAIL > 0: the fp16 tail kernel instead, N_TAIL tokens in calls of G (ns per tail).
 // Build against a generated ott2-head.c: cc -O3 -march=native -ffp-contract=off -I<gen/ggml> -I native/kernels
 //     study/attn_microbench.c <gen/ggml>/ott2-head.c -lm -o attn_microbench
@@ -27,6 +28,11 @@ static uint16_t to_half(float f) { // normal range only: the test data stay with
         return (uint16_t) s;
     }
     return (uint16_t) (s | ((e - 112) << 10) | (m >> 13));
+}
+
+static int cmp_double(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return (x > y) - (x < y);
 }
 
 // the online-softmax states of NR rows, empty
@@ -110,6 +116,11 @@ int main(int argc, char ** argv) {
                n_tail, best*1e9, ott2_head_isa(), (double) sink);
         return 0;
     }
+    // the pooled tokens of a group are passed to the kernel as the op passes them (about one per group with the
+    // default pool of 3 + 32 over 32 groups); OTT_MB_COVERS=0 leaves them out (the microbench before 2026-11-28)
+    const char * cov_env = getenv("OTT_MB_COVERS");
+    const int covers = !cov_env || atoi(cov_env);
+    uint16_t * ck = malloc(sizeof(uint16_t)*S*D), * cv = malloc(sizeof(uint16_t)*S*D);
     const char * pf_env = getenv("OTT_MB_OP_PREFETCH"); // 1: the next group into L2 before each call, as the op did
     const int op_pf = pf_env && atoi(pf_env);
     // OTT_MB_SLICE=SG[,SG...] with OTT_MB_AHEAD=A[,A...]: the groups in the op's slices of SG groups, even slices
@@ -120,6 +131,8 @@ int main(int argc, char ** argv) {
     const int n_sg = parse_ints(getenv("OTT_MB_SLICE"), sgs), n_ah = parse_ints(getenv("OTT_MB_AHEAD"), aheads);
     const int n_conf = n_sg > n_ah ? n_sg : n_ah;
     double bests[8] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
+    double * times = malloc(sizeof(double)*reps); // configuration 0's repetitions, for the median
+    long n_covers = 0;
     for (int r = 0; r < reps*n_conf; ++r) {
         const int conf = r % n_conf, SG = sgs[conf], ahead = aheads[conf];
         const int n_sl = SG > 0 ? (NG + SG - 1)/SG : 0;
@@ -160,23 +173,31 @@ int main(int argc, char ** argv) {
             for (int i = 0; i < n_pool + n_aux; ++i) {
                 const int slot = i < n_pool ? i : O + (i - n_pool);
                 if (meta[slot].pos >= g*G && meta[slot].pos < (g + 1)*G) {
-                    cj[nc++] = meta[slot].pos - g*G; // cover rows: the slot's K/V (order as the op's)
+                    // cover rows, gathered as the op gathers them: the slot's exact K and V
+                    memcpy(ck + (size_t) nc*D, pool + (size_t) slot*D, sizeof(uint16_t)*D);
+                    memcpy(cv + (size_t) nc*D, pool + (size_t) (S + slot)*D, sizeof(uint16_t)*D);
+                    cj[nc++] = meta[slot].pos - g*G;
                 }
             }
-            hk->attn_group(D, NR, q, 0.125f, kq + g*kbytes, vq + g*vbytes, 0, cj, pool, pool + (size_t) S*D, 1,
-                           M, L, acc, scratch);
-            (void) nc;
+            hk->attn_group(D, NR, q, 0.125f, kq + g*kbytes, vq + g*vbytes, covers ? nc : 0, cj, ck, cv, 1, M, L,
+                           acc, scratch);
+            n_covers += r == 0 && covers ? nc : 0;
         }
         const double t = now() - t0;
         bests[conf] = t < bests[conf] ? t : bests[conf];
+        if (conf == 0) {
+            times[r/n_conf] = t;
+        }
         best = bests[0];
         sink += acc[0]/L[0];
     }
     for (int c = 0; n_conf > 1 && c < n_conf; ++c) {
         printf("{\"slice\": %d, \"ahead\": %d, \"ns_per_group\": %.1f}\n", sgs[c], aheads[c], bests[c]/NG*1e9);
     }
+    qsort(times, reps, sizeof(double), cmp_double);
     printf("{\"kbits\": %d, \"vbits\": %d, \"D\": %d, \"rows\": %d, \"groups\": %d, \"ns_per_group\": %.1f, "
-           "\"bytes_per_group\": %zu, \"GBps\": %.2f, \"isa\": \"%s\", \"sink\": %g}\n", kbits, vbits, D, NR, NG,
-           best/NG*1e9, kbytes + vbytes, (kbytes + vbytes)/(best/NG)/1e9, ott2_head_isa(), (double) sink);
+           "\"ns_per_group_median\": %.1f, \"bytes_per_group\": %zu, \"GBps\": %.2f, \"covers_per_group\": %.2f, "
+           "\"isa\": \"%s\", \"sink\": %g}\n", kbits, vbits, D, NR, NG, best/NG*1e9, times[reps/2]/NG*1e9,
+           kbytes + vbytes, (kbytes + vbytes)/(best/NG)/1e9, (double) n_covers/NG, ott2_head_isa(), (double) sink);
     return 0;
 }

@@ -164,8 +164,10 @@ def profile_one(path: Path, kv_type: str, depth: int, threads: int, n_tok: int, 
     mi = model_info(path)
     rng = random.Random(depth)
     with captured_log():
+        # swa_full=False as llama-bench sets it: window layers hold their window only, as the ott caches' do (the
+        # C API's default, true, gives f16 a full-size window cache and an unlike comparison on Gemma 3)
         llm = Llama(str(path), kv_type=kv_type, n_ctx=depth + n_tok + 256, n_batch=512, n_ubatch=512,
-                    n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+                    n_threads=threads, n_threads_batch=threads, swa_full=False, verbose=False)  # fmt: skip
     n_vocab = llm.n_vocab()
     if depth:
         llm.eval([rng.randrange(100, n_vocab) for _ in range(depth)])
