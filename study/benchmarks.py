@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", action="store_true", help="only redraw the report and plots from OUT's .json")
     a = ap.parse_args(argv)
     depths = [int(d) for d in a.depths.split(",")]
+    import_pyplot()  # the plots need matplotlib: refuse now, not after the hour of measuring
     if a.from_json:
         res = json.loads(a.out.with_suffix(".json").read_text())
     else:
