@@ -181,22 +181,25 @@ def check_attention(hk: HeadKernels, st: ref.HeadState, nat: Native, rng: np.ran
         got = hk.attn(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k, st.tail_v)
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * vmax)
 
-    q_pos = np.array(sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo, (lo + st.n_pos) // 2}), np.int32)
-    q = (rng.standard_normal((len(q_pos), D)) * 0.5).astype(np.float32)
-    got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
-                       st.tail_v)  # fmt: skip
-    want = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=hk.vint, v_rotate=hk.vrot)
-    if hk.vint == 8:
-        # a weight whose rint sits within rounding of a tie may round the other way in the kernel (its exp is not
-        # numpy's): that row moves by one weight step, wmax/255 of a token's codes, at most 2*vmax/255. One such
-        # row of the four is allowed; every other element equals the model within fp32 rounding
-        err = np.abs(got - want)
-        off = (err > 2e-4 * np.abs(want) + 5e-5 * vmax).any(axis=1)
-        assert int(off.sum()) <= 1 and float(err.max()) <= 2 * vmax / 255, (off, float(err.max()) / vmax)
-    else:
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
-    exact = ref.attend(st, q, q_pos, scale)
-    assert float(np.abs(got - exact).max()) <= 0.05 * vmax
+    q_pos_all = np.array(sorted({st.n_pos - 1, max(lo, st.n_pos - 5), lo, (lo + st.n_pos) // 2}), np.int32)
+    q_all = (rng.standard_normal((len(q_pos_all), D)) * 0.5).astype(np.float32)
+    # every row count a block of the kernel takes a different path for (AVX2: 2-bit keys left packed up to 3 rows)
+    for n_rows in sorted({len(q_pos_all), min(3, len(q_pos_all)), 1}):
+        q_pos, q = q_pos_all[:n_rows], q_all[:n_rows]
+        got = hk.attn_rows(q, q_pos, scale, kq, vq, st.n_sealed, pooled.pos, pooled.k, pooled.v, lo, st.tail_k,
+                           st.tail_v)  # fmt: skip
+        want = ref.attend(st, q, q_pos, scale, int8_query=True, int_values=hk.vint, v_rotate=hk.vrot)
+        if hk.vint == 8:
+            # a weight whose rint sits within rounding of a tie may round the other way in the kernel (its exp is not
+            # numpy's): that row moves by one weight step, wmax/255 of a token's codes, at most 2*vmax/255. One such
+            # row of the four is allowed; every other element equals the model within fp32 rounding
+            err = np.abs(got - want)
+            off = (err > 2e-4 * np.abs(want) + 5e-5 * vmax).any(axis=1)
+            assert int(off.sum()) <= 1 and float(err.max()) <= 2 * vmax / 255, (off, float(err.max()) / vmax)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=5e-5 * vmax)
+        exact = ref.attend(st, q, q_pos, scale)
+        assert float(np.abs(got - exact).max()) <= 0.05 * vmax
 
 
 def keys_values(rng: np.random.Generator, n: int, D: int) -> tuple[np.ndarray, np.ndarray]:
