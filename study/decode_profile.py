@@ -41,7 +41,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("ott attention partial", r"ott_attn_part|attn_group|attn_tail|softmax_tile|_dequantize_vrow|ott_fwht"),
     ("ott merge", r"ott_attn_merge|ott_head_unrotate"),
     ("ott seal", r"ott_seal|_k\dv\dg\d+x\d+_(seal|quantize|pool_insert)|ott_fp64_to_fp16"),
-    ("f16 flash attention", r"flash_attn|ggml_vec_dot_f16|ggml_vec_mad_f16|ggml_vec_scale_f16|online_softmax"),
+    # f16's attention: flash attention, or (f16:fa0) the f16 mul_mat dot products and the soft_max op
+    ("f16 attention", r"flash_attn|ggml_vec_dot_f16|ggml_vec_mad_f16|ggml_vec_scale_f16|online_softmax|soft_max"),
     ("weight matmuls", r"mul_mat|vec_dot_q|gemm|gemv|quantize_row_q8|quantize_mat|repack"),
     # OpenMP workers spin in libgomp between ops; ggml's own barrier when built without OpenMP
     ("thread sync", r"libgomp|ggml_barrier|sched_yield|ggml_graph_compute_thread|futex"),
@@ -163,16 +164,21 @@ def profile_one(path: Path, kv_type: str, depth: int, threads: int, n_tok: int, 
 
     mi = model_info(path)
     rng = random.Random(depth)
+    # "f16:fa0": f16 under llama.cpp's plain attention (mul_mat + soft_max), as llama-bench -fa 0
+    base, _, mode = kv_type.partition(":")
+    if mode not in ("", "fa0") or (mode and base != "f16"):
+        raise SystemExit(f"unknown type {kv_type!r}: a cache type, or f16:fa0")
     with captured_log():
         # swa_full=False as llama-bench sets it: window layers hold their window only, as the ott caches' do (the
         # C API's default, true, gives f16 a full-size window cache and an unlike comparison on Gemma 3)
-        llm = Llama(str(path), kv_type=kv_type, n_ctx=depth + n_tok + 256, n_batch=512, n_ubatch=512,
-                    n_threads=threads, n_threads_batch=threads, swa_full=False, verbose=False)  # fmt: skip
+        llm = Llama(str(path), kv_type=base, n_ctx=depth + n_tok + 256, n_batch=512, n_ubatch=512,
+                    n_threads=threads, n_threads_batch=threads, swa_full=False, flash_attn=mode != "fa0",
+                    verbose=False)  # fmt: skip
     n_vocab = llm.n_vocab()
     if depth:
         llm.eval([rng.randrange(100, n_vocab) for _ in range(depth)])
     llm.eval([rng.randrange(100, n_vocab)])  # the first decode allocates its graph: not timed
-    data = out_dir / f"perf-{kv_type.replace('/', '-')}-{depth}.data"
+    data = out_dir / f"perf-{kv_type.replace('/', '-').replace(':', '-')}-{depth}.data"
     perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-p", str(os.getpid()),
                              "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     time.sleep(1.0)  # perf attaches
@@ -183,7 +189,7 @@ def profile_one(path: Path, kv_type: str, depth: int, threads: int, n_tok: int, 
     perf.send_signal(signal.SIGINT)
     perf.wait()
     state = 0
-    if kv_type not in ("f16", "q8_0", "q4_0"):
+    if base not in ("f16", "q8_0", "q4_0"):
         k, v = resolve_kv_types(kv_type)
         kb, vb = (int(re.sub(r"\D", "", x)) for x in (k, v))
         state = _state_bytes(llm.kv_cache_info(), mi.head_dim_k, mi.n_head_kv or 0, kb, vb)
@@ -233,7 +239,8 @@ def markdown(res: dict[str, object]) -> str:
               "|---|---|---|" + "---|" * (len(cats) + 2)]  # fmt: skip
     for r in rows:
         cells = [f"{r.cpu_ms.get(c, 0.0):.2f}" for c in cats]
-        what = "ott attention partial" if r.kv_type not in ("f16", "q8_0", "q4_0") else "f16 flash attention"
+        dense = r.kv_type.partition(":")[0] in ("f16", "q8_0", "q4_0")
+        what = "f16 attention" if dense else "ott attention partial"
         lines.append(f"| {r.kv_type} | {r.depth} | {r.wall_ms:.2f} | " + " | ".join(cells) +
                      f" | {r.state_bytes / 1e6:.1f} | {r.gbps(what):.1f} |")  # fmt: skip
     lines += ["", "### Largest functions (CPU ms per decoded token, summed over threads)", ""]
