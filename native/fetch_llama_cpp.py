@@ -181,12 +181,13 @@ def apply_patches(pristine: Path, work: Path, patches: list[Path]) -> None:
             if not dst.exists() or dst.read_bytes() != new:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_bytes(new)
-    # files a previous run patched that no patch touches now go back to pristine
+    # files a previous run patched that no patch touches now go back to pristine, with a new mtime: the pristine
+    # file's own (older than the objects built from the patched one) would leave those objects stale
     for rel in sorted(old - touched):
         src, dst = pristine / rel, work / rel
         if src.exists():
             if not dst.exists() or dst.read_bytes() != src.read_bytes():
-                shutil.copy2(src, dst)
+                shutil.copyfile(src, dst)
         elif dst.exists():
             dst.unlink()
     manifest_path.write_text(json.dumps(sorted(touched)))

@@ -90,6 +90,34 @@ def test_an_unpacked_tree_builds_offline_without_the_sdist(tmp_path: Path) -> No
     assert res.returncode != 0 and "could not download" in res.stderr
 
 
+def test_a_file_whose_patch_is_removed_returns_to_pristine_newer_than_its_objects(tmp_path: Path) -> None:
+    """Removing a patch restores the files it alone touched; each restored file must be newer than anything built
+    from the patched one, or make keeps the removed patch's objects (copying the pristine file's mtime did)."""
+    import difflib
+    import time
+
+    from ott_gguf.models import cache_dir
+
+    rel = "ggml/include/ggml.h"
+    assert fetch(tmp_path, tmp_path / "none").returncode == 0  # the pristine tree is in the cache from here on
+    pristine = (cache_dir() / f"llama.cpp-{PIN[1][:16]}" / rel).read_text().splitlines(keepends=True)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    diff = difflib.unified_diff(pristine, ["// a removed patch\n", *pristine], f"a/{rel}", f"b/{rel}", n=3)
+    (patches / "0001-removed.patch").write_text("".join(diff))
+    res = fetch(tmp_path, patches)
+    assert res.returncode == 0, res.stderr
+    dst = tmp_path / "llama.cpp" / rel
+    assert dst.read_text().startswith("// a removed patch")
+    built = time.time()  # an object built now from the patched file
+    time.sleep(0.05)
+    (patches / "0001-removed.patch").unlink()
+    res = fetch(tmp_path, patches)
+    assert res.returncode == 0, res.stderr
+    assert dst.read_text() == "".join(pristine)
+    assert dst.stat().st_mtime > built
+
+
 def test_the_real_patches_apply_and_touch_only_what_they_name(tmp_path: Path) -> None:
     res = fetch(tmp_path, ROOT / "native" / "patches")
     assert res.returncode == 0, res.stderr
