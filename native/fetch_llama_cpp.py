@@ -136,7 +136,8 @@ def apply_patches(pristine: Path, work: Path, patches: list[Path]) -> None:
     ):
         if work.exists():
             shutil.rmtree(work)
-        shutil.copytree(pristine, work, copy_function=shutil.copy2)
+        # new mtimes (shutil.copy, not copy2): objects built from an earlier tree must not look newer than these
+        shutil.copytree(pristine, work, copy_function=shutil.copy)
         (work / ".ott-copied").write_text((pristine / ".ott-pristine").read_text())
     old = set(json.loads(manifest_path.read_text())) if manifest_path.exists() else set()
 
