@@ -10,12 +10,12 @@ LCP_SERVER := "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "s
               "starlette-context>=0.3.6,<0.4"
 # libvulkan-dev, glslc, spirv-headers: the Vulkan backend (OTT_GGUF_VULKAN=AUTO builds it when they are present);
 # mesa-vulkan-drivers: lavapipe, Mesa's Vulkan on the CPU, that the Vulkan tests run on without a GPU
-APT_BUILD := g++ cmake ninja-build patch python3-venv libvulkan-dev glslc spirv-headers
+APT_BUILD := g++ cmake ninja-build patch python3-venv libvulkan-dev glslc spirv-headers ccache
 APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user mesa-vulkan-drivers
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_PROGRESS_BAR=off
 
-.PHONY: install demo test gpu-test models lint apt-build apt-test clean
+.PHONY: install demo test gpu-test cuda-bench models lint apt-build apt-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -59,7 +59,7 @@ test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \
 	  $(LCP_SERVER) "openai>=1.0"
 	$(BIN)/ott-gguf models
-	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider
+	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
 
 # on a machine with an NVIDIA GPU and the CUDA toolkit: build with CUDA, run the GPU tests and the GPU benchmark
 gpu-test: apt-build $(BIN)/python
@@ -67,6 +67,11 @@ gpu-test: apt-build $(BIN)/python
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "cffi>=1.16"
 	$(BIN)/ott-gguf models
 	$(BIN)/python -m study.gpu_check --out docs/benchmarks-gpu.md
+
+# the ott2 CUDA ops timed alone (docs/cuda-harness.md): build/cuda-bench/ott-bench, built without a GPU (nvcc and
+# jinja2), run on one
+cuda-bench:
+	bash native/tests/build-ott-bench.sh build/cuda-bench
 
 clean:
 	rm -rf build $(VENV)

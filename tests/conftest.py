@@ -36,3 +36,23 @@ def gemma3() -> Path:
     from ott_gguf import models
 
     return models.fetch("gemma3-270m", quiet=True)
+
+
+# --- the suite's time budget, printed at the end of every run (issue 50): wall time per test file, so that a file
+# that grows is seen in the CI log when it happens; the ten slowest tests come from pytest's --durations=10
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section("time per test file (setup + call + teardown)")
+    for path, sec in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{sec:8.1f} s  {100 * sec / total:5.1f}%  {path}")
+    terminalreporter.write_line(f"{total:8.1f} s  in all")
