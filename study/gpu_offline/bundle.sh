@@ -28,4 +28,9 @@ cp -r "$SITE" $OUT/py/ && find $OUT/py -name __pycache__ -prune -exec rm -rf {} 
 half=$(( ($(stat -c %s "$MODEL") + 1) / 2 ))
 split -b "$half" -d "$MODEL" $OUT/model.part
 cp study/gpu_offline/*.sh $OUT/
-du -sh $OUT/src.tar.xz $OUT/model.part00 $OUT/model.part01
+# the kernel harness (docs/cuda-harness.md), which pipeline.sh runs first; compressed (4 MB to 0.6 MB: call 1 is
+# close to 64 MiB). Without nvcc here, pipeline.sh builds it on the GPU machine.
+if command -v nvcc > /dev/null; then
+  bash native/tests/build-ott-bench.sh && xz -9 -c build/cuda-bench/ott-bench > $OUT/ott-bench.xz
+fi
+du -sh $OUT/src.tar.xz $OUT/model.part00 $OUT/model.part01 $OUT/ott-bench.xz 2>/dev/null || true

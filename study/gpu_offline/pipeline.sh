@@ -1,6 +1,7 @@
 #!/bin/bash
 # On the GPU machine, in the background: what `make gpu-test` does, with no network (bundle.sh brought the
-# inputs), most important first, since a lease can end before the last step: CUDA build for this GPU; the
+# inputs), most important first, since a lease can end before the last step: the kernel harness ott-bench (under a
+# minute, before the build: where the ott ops' time goes, docs/cuda-harness.md); CUDA build for this GPU; the
 # libstdc++ check and the in-process tests (each group in its own pytest, so that a crash hides nothing else; the
 # native backtrace only where one crashed); op placement; per-kernel device time of the ott ops (ncu); decode
 # speed at depth 4096; ott2/q4_0 KL divergence against f16 on the GPU; the kernels against the numpy reference;
@@ -11,6 +12,13 @@ export OTT_GGUF_CACHE=$W/cache/ott-gguf PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUN
 cd $W/repo
 log() { echo "== $(date +%T) $*"; }
 log env; nvidia-smi -L; nvcc --version | tail -1; cmake --version | head -1; python3 --version; nproc
+log "ott-bench: the ott2 CUDA ops alone on random state (docs/cuda-harness.md)"
+if [ -f .gpu-bundle/ott-bench.xz ]; then xz -dc .gpu-bundle/ott-bench.xz > $W/ott-bench && chmod +x $W/ott-bench
+else  # not bundled (no nvcc where it was made): built here for this GPU
+  CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+  bash native/tests/build-ott-bench.sh $W/bench "$CAP" | tail -1 && cp $W/bench/ott-bench $W/
+fi
+timeout 120 $W/ott-bench; echo "ott-bench rc=$?"
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
 log build

@@ -1,0 +1,84 @@
+"""The standalone CUDA kernel harness (native/tests/ott-bench.cu, docs/cuda-harness.md) builds without a GPU: ptxas
+reports every kernel it times, its plan has the cache's sizes and grids, and its state and checks pass through the
+kernels' CPU emulation. Nothing runs on a GPU here."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT, require_tool
+
+# the architectures this test builds for (one: CI has 2 cores); the harness's own build takes sm_75..sm_90
+BENCH_ARCHS = ["90"]
+# the head configs ott-bench.cu includes (its cfgs: ott2, the quality tier) and the ops it times
+BENCH_TAGS = ["k2v2g128x64", "k3mv2sg128x64"]
+# (the attention partials: one kernel per channels-per-lane count, attn_part_vec<CPL>, picked by D)
+KERNELS = ["attn_part_vec<2>", "attn_part_vec<4>", "attn_part_vec<8>", "attn_part_vec<16>", "attn_merge", "seal"]
+
+ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:ILi(\d+)EEv)?\d+ott_cu_args' for '(sm_\d+)'")
+STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")
+
+
+def ptxas_resources(report: str) -> dict[tuple[str, str], dict[str, int]]:
+    """(kernel, sm_XY) -> registers, stack, spill stores and loads, static shared memory, from `nvcc -Xptxas -v`."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    key: tuple[str, str] | None = None
+    stack = (0, 0, 0)
+    for line in report.splitlines():
+        if m := ENTRY.search(line):
+            name = m.group(1) + (f"<{m.group(2)}>" if m.group(2) else "")
+            key, stack = (name, m.group(3)), (0, 0, 0)
+        elif (m := STACK.search(line)) and key:
+            stack = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+        elif (m := USED.search(line)) and key:
+            out[key] = {"regs": int(m.group(1)), "stack": stack[0], "spill_st": stack[1], "spill_ld": stack[2],
+                        "smem": int(m.group(2) or 0)}  # fmt: skip
+            key = None
+    return out
+
+
+def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
+    require_tool("nvcc", hint="the CUDA toolkit")
+    out = tmp_path / "cuda-bench"
+    res = subprocess.run(
+        ["bash", str(ROOT / "native" / "tests" / "build-ott-bench.sh"), str(out), " ".join(BENCH_ARCHS)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    exe = out / "ott-bench"
+    # it travels to a GPU machine with the repository (the device tool carries 64 MiB per call, the bundle included)
+    assert exe.stat().st_size < 8 << 20
+
+    found = ptxas_resources((out / "ott-bench.ptxas.txt").read_text())
+    for arch in BENCH_ARCHS:
+        for tag in BENCH_TAGS:
+            for k in KERNELS:
+                r = found.get((f"ott2_cuda_{tag}_{k}", f"sm_{arch}"))
+                assert r is not None and r["regs"] > 0, (tag, k, arch, sorted(found))
+    assert len(found) == len(BENCH_ARCHS) * len(BENCH_TAGS) * len(KERNELS)
+
+    # the plan without a GPU: the cache's slices (llama.cpp pads -d 4096 -n 16 to 4352 positions: NG 33, NS 9;
+    # 32768 to 33024: NG 257, NS 32) and the launchers' grids (SmolLM2: H 3 x (NS + gq 3) partial blocks: a sealed
+    # slice's block serves the KV head's 3 query heads, the fp16 tail has one per query head)
+    res = subprocess.run([str(exe), "--plan", "smol", "all", "ott2"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert "n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups, ring 128 tokens" in res.stdout
+    assert "n_ctx 33024, NG 257, NS 32 (SG 9), sealed 255 groups, ring 128 tokens" in res.stdout
+    grids = re.findall(r"^ott2 +smol +(\d+) (attn_part|attn_merge|seal) +(\d+) ", res.stdout, re.M)
+    assert grids == [("4096", "attn_part", "36"), ("4096", "attn_merge", "9"), ("4096", "seal", "3"),
+                     ("32768", "attn_part", "105"), ("32768", "attn_merge", "9"), ("32768", "seal", "3")]  # fmt: skip
+    bad = subprocess.run([str(exe), "gpt2"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+    # the random state and the checks of a GPU run (finite attention output, a sealing event with a competition),
+    # through the kernels' CPU emulation, at depth 4096 (both shapes, both configs)
+    res = subprocess.run([str(exe), "--emu", "all", "4096"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("emulated: attention output finite, sealing event with a competition") == 4
