@@ -148,3 +148,90 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
             if with_ops:
                 assert f" T ott2_cuda_{tag}_{fn}" in ops_syms  # and defined by the generated unit
     assert syms.count("U ggml_cuda_op_ott_attn_part") == 1  # referenced by the dispatch
+
+
+# the attention partials' kernel structure (gen/templates/ott_cuda_ops.j2, attn_part_vec_kernel), for one architecture
+STRUCT_ARCH = "sm_90"
+ENTRY = re.compile(r"^\.(?:visible |weak )?\.?entry\s+(\w+)", re.M)
+BARRIER = re.compile(r"\b(?:bar|barrier)\.(?:sync|arrive|red)\b")  # block barriers; bar.warp.sync is __syncwarp
+
+
+def ptx_entries(ptx: str) -> dict[str, str]:
+    """The PTX text of each kernel entry, by (mangled) name."""
+    marks = list(ENTRY.finditer(ptx))
+    return {m.group(1): ptx[m.start() : (marks[i + 1].start() if i + 1 < len(marks) else len(ptx))]
+            for i, m in enumerate(marks)}  # fmt: skip
+
+
+def group_loop_barriers(body: str) -> tuple[int, int]:
+    """(group loops, block barriers inside them) of one kernel's PTX: the lines between the CUDA rendering's
+    `// ott: group loop begin` and `end` markers."""
+    loops = bars = 0
+    inside = False
+    for line in body.splitlines():
+        if "ott: group loop begin" in line:
+            loops += 1
+            inside = True
+        elif "ott: group loop end" in line:
+            inside = False
+        elif inside and BARRIER.search(line):
+            bars += 1
+    return loops, bars
+
+
+def ptxas_spills(log: str) -> dict[str, tuple[int, int]]:
+    """(spill store bytes, spill load bytes) of each function in ptxas -v's report."""
+    out: dict[str, tuple[int, int]] = {}
+    name = None
+    for line in log.splitlines():
+        if m := re.search(r"Function properties for (\w+)", line):
+            name = m.group(1)
+        elif name and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            out[name] = (int(m.group(1)), int(m.group(2)))
+            name = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def ops_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_tool("nvcc", "ptxas", hint="the CUDA toolkit")
+    src = tmp_path_factory.mktemp("cuda-ops")
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
+                    "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
+    return src
+
+
+@pytest.fixture(scope="module", params=TEST_HEADS)
+def ops_ptx(request: pytest.FixtureRequest, ops_sources: Path) -> tuple[str, str, str]:
+    """(head, PTX, ptxas -v's report) of one head config's CUDA ops: nvcc's front end once, then ptxas on its PTX."""
+    tag = spec_tag(request.param)
+    ptx = ops_sources / f"ott2-cuda-{tag}.ptx"
+    cu = ops_sources / f"ott2-cuda-{tag}.cu"
+    res = subprocess.run(["nvcc", "-ptx", "-O3", "-std=c++17", f"-arch={STRUCT_ARCH}", "-I", str(ops_sources), str(cu),
+                          "-o", str(ptx)], capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = subprocess.run(["ptxas", f"-arch={STRUCT_ARCH}", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    return request.param, ptx.read_text(), res.stdout + res.stderr
+
+
+def test_attention_kernels_do_not_spill(ops_ptx: tuple[str, str, str]) -> None:
+    """ptxas keeps every attention partials kernel (each channels-per-lane instance) and the merge in registers:
+    a spill in the group loop is a local-memory round trip per token."""
+    head, _, log = ops_ptx
+    spills = {n: v for n, v in ptxas_spills(log).items() if "attn_part" in n or "attn_merge" in n}
+    assert sum("attn_part" in n for n in spills) == 4 and sum("attn_merge" in n for n in spills) == 1, (head, spills)
+    assert all(v == (0, 0) for v in spills.values()), (head, spills)
+
+
+def test_attention_group_loop_has_no_block_barrier(ops_ptx: tuple[str, str, str]) -> None:
+    """The sealed-group loop of the attention partials runs per warp: no __syncthreads between its markers in the
+    PTX (the block's barriers come before and after the loop, never per group)."""
+    head, ptx, _ = ops_ptx
+    parts = {n: b for n, b in ptx_entries(ptx).items() if "attn_part" in n}
+    assert len(parts) == 4, (head, list(parts))  # one kernel per channels-per-lane instance
+    for name, body in parts.items():
+        loops, bars = group_loop_barriers(body)
+        assert loops >= 1, f"{head} {name}: no group loop markers"
+        assert bars == 0, f"{head} {name}: {bars} block barriers inside the group loop"
