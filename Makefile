@@ -9,9 +9,10 @@ LCP     := llama-cpp-python==0.3.36
 LCP_SERVER := "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
               "starlette-context>=0.3.6,<0.4"
 # libvulkan-dev, glslc, spirv-headers: the Vulkan backend (OTT_GGUF_VULKAN=AUTO builds it when they are present);
-# mesa-vulkan-drivers: lavapipe, Mesa's Vulkan on the CPU, that the Vulkan tests run on without a GPU
+# mesa-vulkan-drivers: lavapipe, Mesa's Vulkan on the CPU, that the Vulkan tests run on without a GPU;
+# chromium: the chat page's test drives it headless (tests/test_web.py)
 APT_BUILD := g++ cmake ninja-build patch python3-venv libvulkan-dev glslc spirv-headers ccache
-APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user mesa-vulkan-drivers
+APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user mesa-vulkan-drivers chromium
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_PROGRESS_BAR=off
 

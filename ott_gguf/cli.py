@@ -120,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
     extra = list(args.passthrough)
-    cmd = server_command(path, kv_type=kv_type, ott_config=cfg, host=args.host, port=args.port, extra=extra)
+    cmd = server_command(path, kv_type=kv_type, ott_config=cfg, host=args.host, port=args.port, extra=extra,
+                         page=True)  # fmt: skip
     print(f"ott-gguf: serving {path.name} with kv_type={kv_type} at http://{args.host}:{args.port}", flush=True)
     os.execv(cmd[0], cmd)
     return 0  # not reached
