@@ -83,7 +83,7 @@ def case_id(c: tuple) -> str:
 SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 
-def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
+def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> list[ref.OttCache]:
     head, D, H, n_head, outlier_num, aux_cap, v_rotate = case
     tag = head_tag(*head)
     cfg = head_config(head, outlier_num, aux_cap, v_rotate)
@@ -135,6 +135,7 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> None:
         for g in s0.groups:
             want_m = np.float32(-1.5) * np.abs(g.v_scale.astype(np.float32))
             np.testing.assert_array_equal(np.asarray(g.v_min, np.float32), want_m)
+    return caches
 
 
 def head_config(head: tuple, outlier_num: int, aux_cap: int, v_rotate: bool) -> ref.OttConfig:
@@ -185,6 +186,17 @@ def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCac
         np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=5e-5 * vmax, err_msg=f"at {start}")
         start += m
         check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
+
+
+def test_emulated_seal_moves_many_pool_rows(emu: OpsLib) -> None:
+    """The seal's pool bookkeeping (all threads: ranks, slots from counts, rows staged in shared memory by tiles
+    of 64) at sizes the cases above do not reach: 60 pool members among 124 candidates, up to 36 losers per
+    sealing event, an aux pool past 64 rows whose members move up in more than one tile, and the stop rule,
+    bit for bit against the reference after every ubatch."""
+    caches = run_scenario(emu, ((2, 2, 64, 32), 64, 1, 2, 60, 100, False))
+    for c in caches:
+        st = c.state(0, 0, 0)
+        assert len(st.pool) == 60 and len(st.aux) > 64 and not st.tracing
 
 
 @pytest.mark.parametrize("head", [(3, 2, 128, 64), (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)],
