@@ -70,6 +70,16 @@ def llama_cpp_module():  # -> module
             f"LLAMA_CPP_LIB_PATH={os.environ.get('LLAMA_CPP_LIB_PATH')!r} points elsewhere: unset it (the "
             "installed ott_gguf_llama_cpp.pth then selects this build) or set it to that directory."
         )
+    import logging
+
+    from llama_cpp import _logger
+
+    # llama-cpp-python 0.3.36 maps ggml's log levels by an older enum (INFO=1, WARN=2, ERROR=3), so llama.cpp's
+    # warnings (level 3) pass its verbose=False filter as errors, e.g. Gemma 3's "control-looking token" line;
+    # ggml.h today: DEBUG=1, INFO=2, WARN=3, ERROR=4 (the callback reads this table on every line)
+    _logger.GGML_LOG_LEVEL_TO_LOGGING_LEVEL.update(
+        {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+    )
     return llama_cpp
 
 
@@ -248,3 +258,25 @@ def ott_model_problem(model_path: str) -> str:
         return "" if ok else buf.value.decode()
     finally:
         lc.llama_model_free(model)
+
+
+def gpu_devices() -> list[str]:
+    """The GPU devices llama.cpp's backends found ("Vulkan0: NVIDIA H100 ..."): where n_gpu_layers offloads to.
+    Empty on a CPU-only build or machine (llama.cpp then runs every layer on the CPU and only logs a warning)."""
+    llama_cpp_module()  # libllama brings libggml and registers the backends built in
+    ggml = ctypes.CDLL(str(lib_path("ggml")))
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_type.restype = ctypes.c_int
+    for fn in (ggml.ggml_backend_dev_name, ggml.ggml_backend_dev_description):
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_char_p
+    gpu_types = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU
+    out = []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        if ggml.ggml_backend_dev_type(dev) in gpu_types:
+            out.append(f"{ggml.ggml_backend_dev_name(dev).decode()}: {ggml.ggml_backend_dev_description(dev).decode()}")
+    return out

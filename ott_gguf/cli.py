@@ -39,12 +39,13 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--kv-type", default=default,
                    help=f"K/V cache type of both sides: {', '.join(KV_TYPES)}, or K/V such as ott3/ott2 "
                    f"(default {default})")  # fmt: skip
-    p.add_argument("-ctk", "--type-k", metavar="TYPE", help="K cache type, over --kv-type's")
+    p.add_argument("-ctk", "--type-k", metavar="TYPE", help="K cache type, over --kv-type's (default: --kv-type's)")
     p.add_argument("-ctv", "--type-v", metavar="TYPE",
-                   help="V cache type, over --kv-type's (ott* with ott*, kivi* with kivi*)")  # fmt: skip
+                   help="V cache type, over --kv-type's (ott* with ott*, kivi* with kivi*; default: "
+                   "--kv-type's)")  # fmt: skip
     p.add_argument("--ott-layers", metavar="SPEC", default="",
                    help="K/V code widths of some layers of an ott cache, e.g. 15-24:4/3 (ott-gguf calibrate "
-                   "chooses them)")  # fmt: skip
+                   "chooses them; default: none, every layer at the types' widths)")  # fmt: skip
     p.add_argument("--ott-params", metavar=OTT_PARAMS, default="",
                    help="parameters of an ott cache, as llama.cpp's tools of this build take them (default "
                    "128,32,3,32,2,1,1,0)")  # fmt: skip
@@ -89,18 +90,120 @@ def _ott_config(args: argparse.Namespace, kv_type: str) -> OttConfig | None:
     return OttConfig(layer_widths=args.ott_layers, **(parse_ott_params(params) if params else {}))
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def _temperature(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not t >= 0:
+        raise argparse.ArgumentTypeError(f"expected a temperature >= 0, got {value}")
+    return t
+
+
+def _chat_format(value: str) -> str:
+    """A chat format llama-cpp-python has registered (checked here: Llama() takes any name and fails at the
+    first chat)."""
+    from .chat import chat_formats
+
+    names = chat_formats()
+    if value not in names:
+        raise argparse.ArgumentTypeError(f"unknown chat format {value!r}; llama-cpp-python's: {', '.join(names)}")
+    return value
+
+
+def _add_llama_args(p: argparse.ArgumentParser, *, n_ctx: int, max_tokens: int) -> None:
+    """chat's and generate's options, named as llama.cpp's tools name them."""
+    cpus = os.cpu_count() or 1
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL",
+                   help=f"the model, as the MODEL argument takes it (default {models.DEFAULT_MODEL})")  # fmt: skip
+    p.add_argument("-c", "--n-ctx", type=_positive_int, default=n_ctx,
+                   help=f"context length in tokens, rounded up to a multiple of 256 (default {n_ctx})")  # fmt: skip
+    p.add_argument("-n", "--max-tokens", type=_positive_int, default=max_tokens,
+                   help=f"longest answer in tokens; an answer cut there ends with [max tokens] (default "
+                   f"{max_tokens})")  # fmt: skip
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0, metavar="N",
+                   help="layers whose weights and K/V cache go to the GPU; -1: all (default 0: all on the "
+                   "CPU)")  # fmt: skip
+    p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
+                   help=f"CPU threads, for decoding and for prompts (default: llama-cpp-python's, {max(cpus // 2, 1)} "
+                   f"and {cpus} here)")  # fmt: skip
+    p.add_argument("--temp", "--temperature", dest="temperature", type=_temperature, default=0.0,
+                   help="sampling temperature (default 0: greedy, the same answer every time)")  # fmt: skip
+    p.add_argument("-s", "--seed", type=int, default=0,
+                   help="sampling seed, for a temperature above 0; -1: random (default 0)")  # fmt: skip
+    p.add_argument("--chat-format", type=_chat_format, metavar="NAME",
+                   help="llama-cpp-python's chat format, e.g. chatml, gemma, llama-3 (default: the GGUF's chat "
+                   "template; a GGUF without one gets its architecture's format, said in one line)")  # fmt: skip
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log (default off)")
+
+
+def _model_arg(args: argparse.Namespace) -> str | None:
+    if args.model is not None and args.model_opt is not None:
+        raise ValueError(f"the model is given twice ({args.model} and -m {args.model_opt}): give it once")
+    return args.model if args.model is not None else args.model_opt
+
+
+def _llama_kwargs(args: argparse.Namespace, kv_type: str, cfg: OttConfig | None) -> dict[str, object]:
+    """ott_gguf.Llama's keywords for chat's and generate's options (the context length aside)."""
+    from . import _lib
+
+    if args.n_gpu_layers < -1:
+        raise ValueError(f"-ngl {args.n_gpu_layers}: give a number of layers, or -1 for all")
+    if args.n_gpu_layers != 0 and not _lib.gpu_devices():
+        # llama.cpp would only log a warning (hidden without --verbose) and run every layer on the CPU
+        info = _lib.build_info()
+        raise ValueError(
+            f"-ngl {args.n_gpu_layers}: llama.cpp finds no GPU device (this build: cuda {info.get('cuda')}, vulkan "
+            f"{info.get('vulkan')}), so every layer would stay on the CPU; leave -ngl out here, or see the README's "
+            "GPU sections for a GPU build"
+        )
+    kw: dict[str, object] = dict(kv_type=kv_type, ott_config=cfg, n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
+    if args.threads is not None:
+        kw.update(n_threads=args.threads, n_threads_batch=args.threads)
+    if args.chat_format is not None:
+        kw["chat_format"] = args.chat_format
+    if not -1 <= args.seed < 2**32 - 1:
+        raise ValueError(f"--seed {args.seed}: give 0 to {2**32 - 2}, or -1 for a random seed")
+    if args.seed == -1:
+        import random
+
+        # llama-cpp-python derives each answer's sampling seed from this one, so "random" is chosen here
+        kw["seed"] = random.SystemRandom().randrange(2**32 - 1)
+    else:
+        kw["seed"] = args.seed
+    return kw
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from . import Llama, llama_ott_build_info
+    from .chat import guessed_format_line, padded_n_ctx, truncation_marker
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
     cfg = _ott_config(args, kv_type)
-    path = _model_path(args.model)
-    llm = Llama(str(path), kv_type=kv_type, ott_config=cfg, n_ctx=args.n_ctx, seed=0, verbose=args.verbose)
+    kw = _llama_kwargs(args, kv_type, cfg)
+    path = _model_path(_model_arg(args))
+    llm = Llama(str(path), n_ctx=padded_n_ctx(args.n_ctx), **kw)
+    note = guessed_format_line(llm)
+    if note:
+        print(note, file=sys.stderr)
     out = llm.create_chat_completion(
-        messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
+        messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=args.temperature
     )
-    print(out["choices"][0]["message"]["content"])
+    choice = out["choices"][0]
+    marker = truncation_marker(choice["finish_reason"], out["usage"]["prompt_tokens"], args.max_tokens, llm.n_ctx())
+    print(choice["message"]["content"] + (f" {marker}" if marker else ""))
     print(f"[{path.name}, kv_type={llm.kv_type}, {llama_ott_build_info()}]", file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -109,8 +212,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
     cfg = _ott_config(args, kv_type)
-    return chat.run(_model_path(args.model), kv_type=kv_type, ott_config=cfg, n_ctx=args.n_ctx, system=args.system,
-                    max_tokens=args.max_tokens, temperature=args.temperature, verbose=args.verbose)  # fmt: skip
+    kw = _llama_kwargs(args, kv_type, cfg)
+    return chat.run(_model_path(_model_arg(args)), n_ctx=args.n_ctx, system=args.system, max_tokens=args.max_tokens,
+                    temperature=args.temperature, **kw)  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -120,11 +224,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
     extra = list(args.passthrough)
+    if not args.host.endswith(".sock") and "--reuse-port" not in extra:  # a unix socket; a port meant to be shared
+        _check_port_free(args.host, args.port)  # the banner below says it serves: not before the port can be had
     cmd = server_command(path, kv_type=kv_type, ott_config=cfg, host=args.host, port=args.port, extra=extra,
                          page=True)  # fmt: skip
     print(f"ott-gguf: serving {path.name} with kv_type={kv_type} at http://{args.host}:{args.port}", flush=True)
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind host:port as llama-server will (SO_REUSEADDR, as cpp-httplib sets it) and let go; ValueError naming
+    the port when that fails, e.g. another server there."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? --port "
+                             "chooses another)") from None  # fmt: skip
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -330,23 +455,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ott-gguf", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="chat-complete one prompt greedily with a GGUF model")
+    known = f"GGUF path or one of {', '.join(models.MODELS)}"
+    g = sub.add_parser("generate", help="chat-complete one prompt with a GGUF model (greedy by default)")
+    g.add_argument("model", nargs="?", metavar="MODEL", help=f"{known} (default {models.DEFAULT_MODEL})")
     g.add_argument("prompt")
-    g.add_argument("--model", help=f"GGUF path or one of {', '.join(models.MODELS)} (default {models.DEFAULT_MODEL})")
     _add_kv_type_args(g, "ott2")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--n-ctx", type=int, default=2048)
-    g.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    _add_llama_args(g, n_ctx=2048, max_tokens=64)
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("chat", help="chat in the terminal, streaming, with the K/V cache's size after each answer")
-    c.add_argument("model", nargs="?", help=f"GGUF path or a known model name (default {models.DEFAULT_MODEL})")
+    c.add_argument("model", nargs="?", metavar="MODEL", help=f"{known} (default {models.DEFAULT_MODEL})")
     _add_kv_type_args(c, "ott2")
-    c.add_argument("--n-ctx", type=int, default=4096)
+    _add_llama_args(c, n_ctx=4096, max_tokens=512)
     c.add_argument("--system", help="system prompt (default: the chat template's own)")
-    c.add_argument("--max-tokens", type=int, default=512, help="longest answer, in tokens")
-    c.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy, reproducible")
-    c.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     c.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser(
@@ -381,7 +502,6 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-info", help="what native build is installed and loaded")
     b.set_defaults(fn=cmd_build_info)
 
-    known = f"GGUF path or one of {', '.join(models.MODELS)}"
     i = sub.add_parser("info", help="attention shape, ott support, K/V bytes per token and longest context per type")
     i.add_argument("model", help=known)
     i.add_argument("--budget-mib", type=float, default=1024, help="memory for the K/V cache, MiB (default 1024)")
@@ -416,9 +536,14 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    if "--" in argv:  # everything after -- goes to llama-server as it is
+    if "--" in argv:
         i = argv.index("--")
-        argv, passthrough = argv[:i], argv[i + 1 :]
+        cmd = next((a for a in argv[:i] if not a.startswith("-")), None)
+        if cmd == "serve":  # everything after -- goes to llama-server as it is
+            argv, passthrough = argv[:i], argv[i + 1 :]
+        elif cmd in sub.choices:  # elsewhere it would be dropped or misread: refused
+            sub.choices[cmd].error(f"'--' passes options to llama-server, in 'ott-gguf serve' only; {cmd} takes its "
+                                   f"options itself (ott-gguf {cmd} -h)")  # fmt: skip
     args = ap.parse_args(argv)
     args.passthrough = passthrough
     try:

@@ -253,3 +253,111 @@ def test_eval_warns_when_nothing_gets_sealed(smollm2: Path, capsys: pytest.Captu
 def test_eval_missing_text_file_is_named(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "eval", smollm2, "--text", tmp_path / "none.txt")
     assert code == 2 and "none.txt" in err
+
+
+# --- chat and generate: llama.cpp's options, markers (issue 48) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_help_shows_every_default(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, command, "-h")
+    assert code == 0
+    blocks = re.split(r"\n  (?=-)", out.split("options:", 1)[1])  # one per option, wrapped lines included
+    for block in blocks:
+        if block.strip() and not block.strip().startswith("-h, --help"):
+            assert "default" in block, block
+    for flag in ("-m MODEL, --model MODEL", "-ngl N, --n-gpu-layers N", "-t N, --threads N", "--chat-format NAME",
+                 "-s SEED, --seed SEED", "--temp TEMPERATURE, --temperature TEMPERATURE"):  # fmt: skip
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["chat", "--gpu-layerz", "9"], "unrecognized arguments: --gpu-layerz"),
+        (["chat", "--", "-ngl", "99"], "'--' passes options to llama-server, in 'ott-gguf serve' only"),
+        (["generate", "Hi", "--", "-ngl", "99"], "'--' passes options to llama-server, in 'ott-gguf serve' only"),
+        (["info", "x.gguf", "--", "-c", "512"], "'--' passes options to llama-server, in 'ott-gguf serve' only"),
+        (["generate", "Hi", "--chat-format", "nope"], "unknown chat format 'nope'; llama-cpp-python's: "),
+        (["chat", "-t", "0"], "expected an integer >= 1, got 0"),
+        (["generate", "Hi", "--temp", "-1"], "expected a temperature >= 0"),
+    ],
+)
+def test_chat_and_generate_refuse_what_they_do_not_take(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Refused before any model is loaded (today's main dropped everything after -- and ran)."""
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err, err
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in Llama with the keywords it was given."""
+
+
+def test_options_reach_the_llama(smollm2: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """chat and generate take the model the same ways (MODEL or -m) and hand llama.cpp's options to ott_gguf.Llama."""
+    import ott_gguf
+    from ott_gguf import chat
+
+    def fake_llama(path: str, **kw: object) -> None:
+        raise _Loaded(path, kw)
+
+    monkeypatch.setattr(ott_gguf, "Llama", fake_llama)
+    monkeypatch.setattr(chat, "run", lambda model, **kw: fake_llama(str(model), **kw))
+    want = dict(kv_type="ott2", ott_config=None, n_gpu_layers=0, verbose=False, n_threads=1, n_threads_batch=1,
+                chat_format="chatml", seed=5)  # fmt: skip
+    opts = ["-t", "1", "-s", "5", "--chat-format", "chatml", "--temp", "0.5", "-c", "300", "-n", "7"]
+    for argv in (["generate", "-m", smollm2, "Hi", *opts], ["generate", smollm2, "Hi", *opts],
+                 ["chat", "-m", smollm2, *opts], ["chat", smollm2, *opts]):  # fmt: skip
+        with pytest.raises(_Loaded) as got:
+            run_cli(capsys, *argv)
+        path, kw = got.value.args
+        assert path == str(smollm2), argv
+        if argv[0] == "generate":
+            assert kw == {**want, "n_ctx": 512}  # rounded up to llama.cpp's multiple of 256
+        else:
+            assert kw == {**want, "n_ctx": 300, "system": None, "max_tokens": 7, "temperature": 0.5}
+    code, _, err = run_cli(capsys, "chat", smollm2, "-m", smollm2)
+    assert code == 2 and "the model is given twice" in err
+
+
+def test_gpu_layers_need_a_gpu(smollm2: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """-ngl reaches the Llama where llama.cpp finds a GPU device; elsewhere it is refused instead of being ignored
+    (llama.cpp itself only logs a warning, hidden without --verbose)."""
+    import ott_gguf
+
+    def fake_llama(path: str, **kw: object) -> None:
+        raise _Loaded(path, kw)
+
+    monkeypatch.setattr(ott_gguf, "Llama", fake_llama)
+    if _lib.gpu_devices():
+        with pytest.raises(_Loaded) as got:
+            run_cli(capsys, "generate", "Hi", "-m", smollm2, "-ngl", "99")
+        assert got.value.args[1]["n_gpu_layers"] == 99
+    else:
+        code, _, err = run_cli(capsys, "generate", "Hi", "-m", smollm2, "-ngl", "99")
+        assert code == 2 and "-ngl 99: llama.cpp finds no GPU device" in err, err
+
+
+def test_generate_says_where_the_answer_was_cut(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "generate", "Tell me a long story about a dragon.", "-m", smollm2, "-n", 4,
+                             "-c", 256, "-t", THREADS)  # fmt: skip
+    assert code == 0, err
+    assert out.rstrip().endswith(" [max tokens]"), out
+    assert "has no chat template" not in err  # SmolLM2 has its own
+
+
+def test_serve_refuses_a_busy_port_before_any_banner(smollm2: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    import os
+    import socket
+
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"llama-server was started: {a}"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, out, err = run_cli(capsys, "serve", smollm2, "--port", port)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in out, (out, err)
