@@ -16,7 +16,7 @@ APT_TEST  := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user mesa-vulkan-d
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_PROGRESS_BAR=off
 
-.PHONY: install demo test gpu-test cuda-bench models lint apt-build apt-test clean
+.PHONY: install demo test test-all gpu-test cuda-bench models lint apt-build apt-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,10 @@ test: install apt-test lint
 	  $(LCP_SERVER) "openai>=1.0"
 	$(BIN)/ott-gguf models
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
+
+# every case of the test matrix (docs/testing.md): `make test` runs one case per kind, rotating with the commit
+test-all:
+	OTT_TEST_ALL=1 $(MAKE) test
 
 # on a machine with an NVIDIA GPU and the CUDA toolkit: build with CUDA, run the GPU tests and the GPU benchmark
 gpu-test: apt-build $(BIN)/python

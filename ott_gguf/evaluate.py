@@ -50,16 +50,35 @@ def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
 
 def eval_logits(model: Path | str, kv_type: str, tokens: list[int], n_ctx: int = 2048, ubatch: int = 512,
-                **kw: object) -> np.ndarray:  # fmt: skip
-    """Logits of every position of `tokens`, evaluated from an empty cache of the given type (or "K/V" pair of
-    types) in ubatches."""
+                first: int = 0, **kw: object) -> np.ndarray:  # fmt: skip
+    """Logits of positions first..len(tokens)-1 of `tokens`, evaluated from an empty cache of the given type (or
+    "K/V" pair of types) in ubatches; shape (len(tokens) - first, n_vocab).
+
+    Only the positions asked for get logits (llama.cpp computes the output layer for the flagged tokens only, as
+    llama-perplexity's KL divergence scores only the second half of each chunk): with a 262k-token vocabulary the
+    output layer costs more than the rest of a small model."""
     from .llama import Llama
 
-    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=ubatch, n_ubatch=ubatch, logits_all=True,
-                verbose=False, **kw)  # fmt: skip
+    if not 0 <= first < len(tokens):
+        raise ValueError(f"need 0 <= first < {len(tokens)} tokens, got first={first}")
+    llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=ubatch, n_ubatch=ubatch, verbose=False, **kw)
     try:
-        llm.eval(tokens)
-        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+        n_vocab = llm.n_vocab()
+        out = np.empty((len(tokens) - first, n_vocab), np.float32)
+        b = llm._batch.batch
+        for i in range(0, len(tokens), ubatch):
+            chunk = tokens[i : i + ubatch]
+            b.n_tokens = len(chunk)
+            for j, t in enumerate(chunk):
+                b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j] = t, i + j, 0, 1
+                b.logits[j] = i + j >= first
+            llm._ctx.decode(llm._batch)  # raises on failure
+            n_out = max(0, i + len(chunk) - max(i, first))
+            if n_out:
+                # llama.cpp keeps the flagged tokens' logits in batch order
+                rows = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_out, n_vocab))
+                out[max(i, first) - first : i + len(chunk) - first] = rows
+        return out
     finally:
         llm.close()
 

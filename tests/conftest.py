@@ -56,3 +56,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for path, sec in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{sec:8.1f} s  {100 * sec / total:5.1f}%  {path}")
     terminalreporter.write_line(f"{total:8.1f} s  in all")
+    from helpers import TEST_ALL, rotation
+
+    r = rotation()
+    scope = (
+        "matrix: every case (OTT_TEST_ALL)" if TEST_ALL else f"matrix rotation {r} (OTT_TEST_ROTATION={r} repeats it)"
+    )
+    terminalreporter.write_line(scope)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -11,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import pytest
@@ -27,6 +28,33 @@ from ott_gguf.server import Server, free_port
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 OTT_GGUF = Path(sys.executable).with_name("ott-gguf")
+
+
+# The test matrix (issue 50): kinds of checks whose every case is slow (an nvcc build per GPU architecture, ...)
+# run one case per kind in a normal run, chosen by a rotation that moves with every commit, so that consecutive
+# commits cover the whole matrix; `make test-all` (OTT_TEST_ALL=1) runs every case. OTT_TEST_ROTATION=N repeats a
+# run's choice (each run prints its rotation at the end).
+_T = TypeVar("_T")
+TEST_ALL = os.environ.get("OTT_TEST_ALL", "").lower() in ("1", "true", "yes")
+
+
+@functools.cache
+def rotation() -> int:
+    """The run's rotation: OTT_TEST_ROTATION, else the number of commits of the checkout (0 without git)."""
+    if "OTT_TEST_ROTATION" in os.environ:
+        return int(os.environ["OTT_TEST_ROTATION"])
+    import subprocess
+
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--count", "HEAD"], capture_output=True, text=True)
+    return int(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip().isdigit() else 0
+
+
+def rotate(cases: Sequence[_T], n: int = 1) -> list[_T]:
+    """n of the cases (all of them under OTT_TEST_ALL), taken in turn by the rotation."""
+    if TEST_ALL or n >= len(cases):
+        return list(cases)
+    r = rotation()
+    return [cases[(r * n + i) % len(cases)] for i in range(n)]
 
 
 def require_tool(*names: str, hint: str) -> None:
@@ -282,6 +310,16 @@ def doc_prefix(model: Path, n: int) -> list[int]:
     vocab.close()
     assert len(toks) >= n
     return toks[:n]
+
+
+@functools.cache
+def f16_logits(model: Path, n: int, first: int = 0) -> np.ndarray:
+    """The f16 cache's logits of positions first..n-1 of doc_prefix(model, n) (ott_gguf.evaluate.eval_logits'
+    defaults), computed once per session: the quality tests of several files compare against the same reference.
+    Read-only: every caller gets the same array."""
+    out = eval_logits(model, "f16", doc_prefix(model, n), first=first)
+    out.flags.writeable = False
+    return out
 
 
 def last_logits(llm: object) -> np.ndarray:

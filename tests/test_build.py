@@ -15,7 +15,7 @@ import pytest
 
 from ott_gguf import build_info
 
-from helpers import ROOT
+from helpers import ROOT, rotate
 
 FETCH = ROOT / "native" / "fetch_llama_cpp.py"
 GEN = ROOT / "gen" / "generate.py"
@@ -170,7 +170,8 @@ def test_generator_and_reference_clip_tables_agree() -> None:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 renderings: compiled, not run")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])  # AVX2, AVX-512 (VNNI added below)
+# AVX2, AVX-512 (VNNI added below): a minute of -O3 each on 2 cores, so one per run in rotation (make test-all: both)
+@pytest.mark.parametrize("march", rotate(["x86-64-v3", "x86-64-v4"]))
 def test_every_group_kernel_prefetches_the_next_group(tmp_path: Path, march: str) -> None:
     """Each attn_group, as this machine's C compiler renders it, issues its prefetches of the next group. GCC 12
     once dropped every call of the (then not always-inlined) prefetch helper in the 2-bit-V AVX2 kernels: their

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, require_tool
+from helpers import ROOT, TEST_ALL, require_tool, rotate
 
+# the consumer architectures: the small check unit compiles for each; the per-head ops library and the ggml-cuda
+# units (minutes of nvcc each on 2 cores) for one of them per run, in rotation (make test-all: each)
 ARCHS = ["sm_75", "sm_86", "sm_89"]
+ARCH_TURN = rotate(ARCHS)
 # K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs,
 # 3-bit keys with widths per channel (k_mix, "3m"), and symmetric 2-bit V blocks (v_sym, "2s") with mixed keys and
 # with Gv 32 (a rotation unit of two blocks)
@@ -70,7 +73,7 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
         assert f"ott_cuda_dequantize_{tag}" in syms and f"ott_cuda_quantize_{tag}" in syms
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_TURN)
 def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
     program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture:
@@ -95,13 +98,13 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
             assert f"ott2_cuda_{tag}_{fn}" in syms and f"ott2_cudatest_{tag}_{fn}" in syms
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_TURN)
 def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     """The ggml-cuda side of the ott ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
     against the patched ggml-cuda headers), the build's generated kernels, and the patched ggml-cuda.cu whose
     dispatch and supports_op call the glue. The generated kernels (ott2-cuda-ops.cu, every K/V width pair of the
-    build in one unit: the slow one) only for the first architecture; for the others the same template is compiled
-    per head config by test_cuda_ops_and_test_program_compile."""
+    build in one unit: the slow one) for the first architecture of the run; for the others the same template is
+    compiled per head config by test_cuda_ops_and_test_program_compile."""
     require_tool("nvcc", hint="the CUDA toolkit")
     from ott_gguf import build_info
 
@@ -115,13 +118,21 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
         ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
-    with_ops = arch == ARCHS[0]
+    with_ops = arch == ARCH_TURN[0]
     if with_ops:
         units.append(("ops", ops))
     ops_syms = ""
     for name, cu in units:
         obj = tmp_path / f"{name}.o"
-        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DGGML_USE_CUDA", *inc, str(cu),
+        # the 16 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
+        # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
+        # checks below) and on this one under make test-all
+        code = (
+            f"-arch={arch}"
+            if name != "ops" or TEST_ALL
+            else f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
+        )
+        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", code, "-DGGML_USE_CUDA", *inc, str(cu),
                               "-o", str(obj)], capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 0, res.stderr[-4000:]
         out = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
@@ -222,6 +233,15 @@ def test_attention_kernels_do_not_spill(ops_ptx: tuple[str, str, str]) -> None:
     head, _, log = ops_ptx
     spills = {n: v for n, v in ptxas_spills(log).items() if "attn_part" in n or "attn_merge" in n}
     assert sum("attn_part" in n for n in spills) == 4 and sum("attn_merge" in n for n in spills) == 1, (head, spills)
+    assert all(v == (0, 0) for v in spills.values()), (head, spills)
+
+
+def test_seal_does_not_spill(ops_ptx: tuple[str, str, str]) -> None:
+    """ptxas keeps the seal's working set in registers and shared memory (its sealing event ranks the pool's
+    candidates and moves rows through a shared stage; it spilled 124 B before that rewrite)."""
+    head, _, log = ops_ptx
+    spills = {n: v for n, v in ptxas_spills(log).items() if "_seal" in n and "attn" not in n}
+    assert len(spills) == 1, (head, spills)
     assert all(v == (0, 0) for v in spills.values()), (head, spills)
 
 

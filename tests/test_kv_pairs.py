@@ -19,7 +19,7 @@ from ott_gguf.info import ModelInfo, model_info
 from ott_gguf.kv_types import OTT_KV_TYPES, kv_pair_name, resolve_kv_pair, resolve_kv_types
 from ott_gguf.server import server_command
 
-from helpers import THREADS, doc_prefix, greedy, last_logits, run_cli, serving, table
+from helpers import THREADS, doc_prefix, f16_logits, greedy, last_logits, run_cli, serving, table
 
 N_CTX = 512
 
@@ -347,13 +347,16 @@ def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:
 # SmolLM2, 1024 tokens: q4_0 0.0627 (85.1%), ott3/ott2 0.0184 (91.8%), uniform 0.0228 (90.3%), ott4/ott2 0.0171
 # (91.9%), layers 0.0205 (90.0%). Gemma 3, 1536 tokens: q4_0 0.1439 (77.5%), ott3/ott2 0.0128 (94.1%), uniform
 # 0.0157 (92.9%), ott4/ott2 0.0122 (93.9%). The quality tier ("quality MODEL"): SmolLM2 0.0113, Gemma 3 0.0105.
-# The bounds leave about 40% over each measurement.
+# Gemma 3 is scored on the second half of its 1536 tokens (its output layer is most of the cost; more groups are
+# sealed there), measured 2026-11-29: q4_0 0.1343, ott3/ott2 0.0145, uniform 0.0197, ott4/ott2 0.0144, quality
+# 0.0133. The bounds leave about 40% over each measurement.
 TIER_KLD_BOUNDS = {
     "smollm2": (
         1024,
+        0,
         {"ott3/ott2": 0.026, "uniform": 0.032, "ott4/ott2": 0.024, "layers": 0.029, "quality smollm2": 0.016},
     ),
-    "gemma3": (1536, {"ott3/ott2": 0.018, "uniform": 0.022, "ott4/ott2": 0.018, "quality gemma3": 0.015}),
+    "gemma3": (1536, 768, {"ott3/ott2": 0.020, "uniform": 0.028, "ott4/ott2": 0.020, "quality gemma3": 0.019}),
 }
 SMOLLM2_LAYERS = "0-14:2/2,15-24:4/3,25-29:2/2"
 # the quality tier (docs/tiers.md): symmetric 2-bit values, R 64, the widths `ott-gguf calibrate MODEL --ott-params
@@ -374,15 +377,13 @@ def test_tiers_kld_is_bounded_and_below_q4_0(model: str, request: pytest.Fixture
     from ott_gguf.evaluate import eval_logits, kl_divergence
 
     path: Path = request.getfixturevalue(model)
-    n, bounds = TIER_KLD_BOUNDS[model]
-    vocab = Llama(str(path), vocab_only=True, verbose=False)
-    toks = vocab.tokenize(docs_text(40_000).encode())[:n]
-    vocab.close()
-    f16 = eval_logits(path, "f16", toks)
-    kld = {"q4_0": kl_divergence(f16, eval_logits(path, "q4_0", toks)).mean()}
+    n, first, bounds = TIER_KLD_BOUNDS[model]
+    toks = doc_prefix(path, n)
+    f16 = f16_logits(path, n, first)
+    kld = {"q4_0": kl_divergence(f16, eval_logits(path, "q4_0", toks, first=first)).mean()}
     for tier in bounds:
         kv, cfg = TIER_RUNS[tier]
-        kld[tier] = kl_divergence(f16, eval_logits(path, kv, toks, ott_config=cfg)).mean()
+        kld[tier] = kl_divergence(f16, eval_logits(path, kv, toks, first=first, ott_config=cfg)).mean()
     print(f"{model}: mean KLD vs f16 " + ", ".join(f"{t} {v:.4f}" for t, v in kld.items()))
     for tier, bound in bounds.items():
         assert kld[tier] < bound, (tier, kld)

@@ -12,7 +12,8 @@ import pytest
 from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.corpus import docs_text
 
-from helpers import eval_logits, kl_divergence
+from helpers import doc_prefix, eval_logits, kl_divergence
+from helpers import f16_logits as f16_reference
 
 # Bounds set from measurements on this text (1024 tokens, two 512-token ubatches, 2 threads): mean KLD vs f16
 # was 0.082 for ott2, 0.157 for kivi2 and 0.063 for rotated q4_0. The test allows some slack over ott2's
@@ -32,7 +33,8 @@ def doc_tokens(smollm2: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def f16_logits(smollm2: Path, doc_tokens: list[int]) -> np.ndarray:
-    return eval_logits(smollm2, "f16", doc_tokens)
+    assert doc_prefix(smollm2, 1024) == doc_tokens
+    return f16_reference(smollm2, 1024)
 
 
 def test_ott2_mean_kld_vs_f16_is_bounded_and_beats_kivi2(smollm2: Path, doc_tokens: list[int],
@@ -61,20 +63,23 @@ def test_ott2_greedy_generation_is_coherent(smollm2: Path) -> None:
 # Gemma 3 270M (3 full-attention layers with ott2, 15 window layers in f16), 1536 tokens of the docs in 512-token
 # ubatches: mean KLD vs f16 measured 0.029 for ott2 and 0.078 for kivi2 with plain V (q4_0 0.144, q8_0 0.0098,
 # both of which quantize every layer); with rotated V (the default) ott2 0.028 and kivi2 0.047: rotating V helps
-# the kivi baseline more, and outlier tracing still takes 40% off.
-GEMMA_OTT2_MEAN_KLD_BOUND = 0.05
+# the kivi baseline more, and outlier tracing still takes 40% off. Scored on the second half only (2026-11-29): ott2
+# 0.0464 plain V, 0.0472 rotated; kivi2 0.1011 and 0.0960.
+GEMMA_OTT2_MEAN_KLD_BOUND = 0.065
+GEMMA_TOKENS = 1536
 
 
 def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
     """A sliding-window model: ott2 serves the full-attention layers, an f16 cache the window layers; quality
     vs f16 is bounded and ott2 stays clearly better than kivi2 (the paper's comparison: plain V; and with the
-    default rotated V)."""
-    llm = Llama(str(gemma3), kv_type="f16", n_ctx=256, verbose=False)
-    toks = llm.tokenize(docs_text(40_000).encode())[:1536]
-    llm.close()
-    f16 = eval_logits(gemma3, "f16", toks)
+    default rotated V). Scored on the second half of 1536 tokens (4 to 10 groups sealed), as llama-perplexity
+    scores a chunk: Gemma 3's 262k-token output layer is most of the cost of a position's logits."""
+    toks = doc_prefix(gemma3, GEMMA_TOKENS)
+    f16 = f16_reference(gemma3, GEMMA_TOKENS, GEMMA_TOKENS // 2)
     kld = {
-        (t, rot): kl_divergence(f16, eval_logits(gemma3, t, toks, ott_config={"v_rotate": rot})).mean()
+        (t, rot): kl_divergence(
+            f16, eval_logits(gemma3, t, toks, first=GEMMA_TOKENS // 2, ott_config={"v_rotate": rot})
+        ).mean()
         for t in ("ott2", "kivi2")
         for rot in (False, True)
     }
