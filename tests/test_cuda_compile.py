@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,12 @@ TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64", "3m/2s:12
 # the block configs of the stand-alone check: the cuda target's defaults, and the symmetric formats of the v_sym
 # heads (bits "2s", group, clip: rotated units clipped, the unrotated fallback full range)
 CONFIGS = ["2:32", "2:64", "2:128", "3:64", "4:64", "2s:32:41", "2s:32", "2s:64:37", "2s:64"]
+
+
+def run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """The commands at once, one per core: nvcc runs on one core, and these tests compile independent units."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), cmds))
 
 
 def config_tag(spec: str) -> str:
@@ -84,13 +92,13 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
                     "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
     lib = tmp_path / "libott_cuda_test.so"
     tags = [spec_tag(h) for h in TEST_HEADS]
-    srcs = [str(src / f"ott2-cuda-{t}.cu") for t in tags]
-    res = subprocess.run(
-        ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler", "-fPIC",
-         "-Werror", "all-warnings", "-I", str(src), *srcs, "-o", str(lib)],
-        capture_output=True,
-        text=True,
-    )  # fmt: skip
+    objs = [tmp_path / f"ott2-cuda-{t}.o" for t in tags]
+    for res in run_all([["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-Xcompiler",
+                         "-fPIC", "-Werror", "all-warnings", "-I", str(src), str(src / f"ott2-cuda-{t}.cu"), "-o",
+                         str(o)] for t, o in zip(tags, objs, strict=True)]):  # fmt: skip
+        assert res.returncode == 0, res.stderr[-4000:]
+    res = subprocess.run(["nvcc", "-shared", f"-arch={arch}", *map(str, objs), "-o", str(lib)], capture_output=True,
+                         text=True)  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     syms = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
     for tag in tags:
@@ -114,28 +122,23 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
            "-I", str(gen)]  # fmt: skip
     syms = ""
     ops = gen / "ott2-cuda-ops.cu"
-    units = [
+    with_ops = arch == ARCH_TURN[0]
+    units = [("ops", ops)] if with_ops else []  # the longest first
+    units += [
         ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
-    with_ops = arch == ARCH_TURN[0]
-    if with_ops:
-        units.append(("ops", ops))
     ops_syms = ""
-    for name, cu in units:
-        obj = tmp_path / f"{name}.o"
-        # the 16 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
-        # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
-        # checks below) and on this one under make test-all
-        code = (
-            f"-arch={arch}"
-            if name != "ops" or TEST_ALL
-            else f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
-        )
-        res = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", code, "-DGGML_USE_CUDA", *inc, str(cu),
-                              "-o", str(obj)], capture_output=True, text=True)  # fmt: skip
+    # the 16 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
+    # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
+    # checks below) and on this one under make test-all
+    ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
+    cmds = [["nvcc", "-c", "-O3", "-std=c++17", ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}",
+             "-DGGML_USE_CUDA", *inc, str(cu), "-o", str(tmp_path / f"{name}.o")] for name, cu in units]  # fmt: skip
+    for (name, _), res in zip(units, run_all(cmds), strict=True):
         assert res.returncode == 0, res.stderr[-4000:]
-        out = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(["nm", "-C", str(tmp_path / f"{name}.o")], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
         syms += out
         if name == "ops":
             ops_syms = out
@@ -212,19 +215,25 @@ def ops_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-@pytest.fixture(scope="module", params=TEST_HEADS)
-def ops_ptx(request: pytest.FixtureRequest, ops_sources: Path) -> tuple[str, str, str]:
-    """(head, PTX, ptxas -v's report) of one head config's CUDA ops: nvcc's front end once, then ptxas on its PTX."""
-    tag = spec_tag(request.param)
-    ptx = ops_sources / f"ott2-cuda-{tag}.ptx"
-    cu = ops_sources / f"ott2-cuda-{tag}.cu"
-    res = subprocess.run(["nvcc", "-ptx", "-O3", "-std=c++17", f"-arch={STRUCT_ARCH}", "-I", str(ops_sources), str(cu),
-                          "-o", str(ptx)], capture_output=True, text=True)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-4000:]
-    res = subprocess.run(["ptxas", f"-arch={STRUCT_ARCH}", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-                         capture_output=True, text=True)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-4000:]
-    return request.param, ptx.read_text(), res.stdout + res.stderr
+@pytest.fixture(scope="module")
+def all_ops_ptx(ops_sources: Path) -> dict[str, tuple[str, str]]:
+    """(PTX, ptxas -v's report) of each head config's CUDA ops: nvcc's front end, then ptxas on its PTX; the head
+    configs at once, one per core."""
+    ptx = {h: ops_sources / f"ott2-cuda-{spec_tag(h)}.ptx" for h in TEST_HEADS}
+    for res in run_all([["nvcc", "-ptx", "-O3", "-std=c++17", f"-arch={STRUCT_ARCH}", "-I", str(ops_sources),
+                         str(p.with_suffix(".cu")), "-o", str(p)] for p in ptx.values()]):  # fmt: skip
+        assert res.returncode == 0, res.stderr[-4000:]
+    logs = run_all([["ptxas", f"-arch={STRUCT_ARCH}", "-v", str(p), "-o", str(p.with_suffix(".cubin"))]
+                    for p in ptx.values()])  # fmt: skip
+    for res in logs:
+        assert res.returncode == 0, res.stderr[-4000:]
+    return {h: (p.read_text(), r.stdout + r.stderr) for (h, p), r in zip(ptx.items(), logs, strict=True)}
+
+
+@pytest.fixture(params=TEST_HEADS)
+def ops_ptx(request: pytest.FixtureRequest, all_ops_ptx: dict[str, tuple[str, str]]) -> tuple[str, str, str]:
+    """(head, PTX, ptxas -v's report) of one head config's CUDA ops."""
+    return request.param, *all_ops_ptx[request.param]
 
 
 def test_attention_kernels_do_not_spill(ops_ptx: tuple[str, str, str]) -> None:
