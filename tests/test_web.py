@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from ott_gguf.chat import format_bytes  # the terminal chat's units, which app.js's formatBytes follows
 from ott_gguf.info import formula_bytes_per_token, model_info
 from ott_gguf.server import WEB_DIR, server_command
 
@@ -133,15 +134,6 @@ def answer(b: Browser) -> dict[str, Any]:
           "return {text: m.firstChild.data, pieces: Number(m.dataset.pieces), marker: k ? k.textContent.trim() : '',"
           " error: m.classList.contains('error')}; })()")  # fmt: skip
     return dict(b.eval(js))
-
-
-def format_bytes(n: float) -> str:
-    """app.js's formatBytes."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{round(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def cache_line(facts: dict[str, Any], used: int, n_ctx: int, stale: bool = False) -> str:
