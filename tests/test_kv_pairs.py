@@ -19,7 +19,7 @@ from ott_gguf.info import ModelInfo, model_info
 from ott_gguf.kv_types import OTT_KV_TYPES, kv_pair_name, resolve_kv_pair, resolve_kv_types
 from ott_gguf.server import server_command
 
-from helpers import THREADS, doc_prefix, f16_logits, greedy, last_logits, run_cli, serving, table
+from helpers import THREADS, doc_prefix, f16_logits, greedy, last_logits, rotate, run_cli, serving, table
 
 N_CTX = 512
 
@@ -378,6 +378,10 @@ def test_tiers_kld_is_bounded_and_below_q4_0(model: str, request: pytest.Fixture
 
     path: Path = request.getfixturevalue(model)
     n, first, bounds = TIER_KLD_BOUNDS[model]
+    # every run: the default pair and the quality tier; the design comparisons (k_mix off, a 4th key bit, widths
+    # calibrated for uniform keys) take turns (helpers.rotate; `make test-all` runs them all)
+    turns = [t for t in bounds if t in ("uniform", "ott4/ott2", "layers")]
+    bounds = {t: b for t, b in bounds.items() if t not in turns or t in rotate(turns)}
     toks = doc_prefix(path, n)
     f16 = f16_logits(path, n, first)
     kld = {"q4_0": kl_divergence(f16, eval_logits(path, "q4_0", toks, first=first)).mean()}
@@ -389,7 +393,9 @@ def test_tiers_kld_is_bounded_and_below_q4_0(model: str, request: pytest.Fixture
         assert kld[tier] < bound, (tier, kld)
         assert kld[tier] < 0.5 * kld["q4_0"], (tier, kld)
     # the same bytes (k_mix: + D/4 per group), spent where they count; and a wider K side
-    assert kld["ott3/ott2"] < kld["uniform"] and kld["ott4/ott2"] < kld["uniform"]
-    if "layers" in kld:
-        assert kld["layers"] < kld["uniform"]
+    if "uniform" in kld:
+        assert kld["ott3/ott2"] < kld["uniform"]
+    for better in ("ott4/ott2", "layers"):
+        if better in kld and "uniform" in kld:
+            assert kld[better] < kld["uniform"]
     assert kld[f"quality {model}"] < kld["ott3/ott2"]  # the quality tier's recipe pays on both models

@@ -12,7 +12,7 @@ import pytest
 from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.corpus import docs_text
 
-from helpers import doc_prefix, eval_logits, kl_divergence
+from helpers import doc_prefix, eval_logits, kl_divergence, rotate
 from helpers import f16_logits as f16_reference
 
 # Bounds set from measurements on this text (1024 tokens, two 512-token ubatches, 2 threads): mean KLD vs f16
@@ -73,7 +73,8 @@ def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
     """A sliding-window model: ott2 serves the full-attention layers, an f16 cache the window layers; quality
     vs f16 is bounded and ott2 stays clearly better than kivi2 (the paper's comparison: plain V; and with the
     default rotated V). Scored on the second half of 1536 tokens (4 to 10 groups sealed), as llama-perplexity
-    scores a chunk: Gemma 3's 262k-token output layer is most of the cost of a position's logits."""
+    scores a chunk: Gemma 3's 262k-token output layer is most of the cost of a position's logits. The two V
+    layouts take turns (helpers.rotate; `make test-all` runs both)."""
     toks = doc_prefix(gemma3, GEMMA_TOKENS)
     f16 = f16_reference(gemma3, GEMMA_TOKENS, GEMMA_TOKENS // 2)
     kld = {
@@ -81,12 +82,12 @@ def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
             f16, eval_logits(gemma3, t, toks, first=GEMMA_TOKENS // 2, ott_config={"v_rotate": rot})
         ).mean()
         for t in ("ott2", "kivi2")
-        for rot in (False, True)
+        for rot in rotate([True, False])
     }
     print(f"gemma3 mean KLD vs f16: {kld}")
-    assert kld["ott2", True] < GEMMA_OTT2_MEAN_KLD_BOUND and kld["ott2", False] < GEMMA_OTT2_MEAN_KLD_BOUND
-    assert kld["ott2", False] < 0.6 * kld["kivi2", False]
-    assert kld["ott2", True] < 0.7 * kld["kivi2", True]
+    for rot in {r for _, r in kld}:
+        assert kld["ott2", rot] < GEMMA_OTT2_MEAN_KLD_BOUND
+        assert kld["ott2", rot] < (0.7 if rot else 0.6) * kld["kivi2", rot]
     llm = Llama(str(gemma3), kv_type="ott2", n_ctx=2048, verbose=False)
     llm.eval(toks[:600])
     info = llm.kv_cache_info()
