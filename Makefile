@@ -58,7 +58,7 @@ lint: $(BIN)/python
 
 test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \
-	  $(LCP_SERVER) "openai>=1.0"
+	  $(LCP_SERVER) "openai>=1.0" "gguf>=0.17"
 	$(BIN)/ott-gguf models
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
 

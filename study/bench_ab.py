@@ -11,6 +11,9 @@ type `tier` is the model's quality tier (study.benchmarks.QUALITY_TIERS: ott3/ot
 --ott-layers); build:K/V:fa0 runs without flash attention (llama-bench -fa 0: plain f16 attention, which is faster
 than the pinned llama.cpp's CPU flash attention at head dim 64 on AVX512-FP16 CPUs, docs/decode-profile.md).
 Ratios are to the first f16 run with flash attention (any build: f16 shares no code with the ott caches).
+
+--model is a test model's name or a GGUF path (study.random_gguf's models); --ott-params gives the tier of a model
+outside QUALITY_TIERS ("128,64,3,32,2,1,1,1"); --poll 0 keeps llama-bench's idle threads off a shared CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from ott_gguf import models
 from ott_gguf.bench import ott_args, parse_bench_json
+from ott_gguf.cli import parse_ott_params
 from ott_gguf.kv_types import OttConfig, resolve_kv_types
 
 from .benchmarks import QUALITY_TIERS
@@ -33,10 +37,11 @@ TIER = "tier"
 
 
 def command(build: Path, model: Path, kv: str, depths: str, n_prompt: int, n_gen: int, threads: int,
-            tier: OttConfig | None = None, flash: bool = True) -> list[str]:  # fmt: skip
+            tier: OttConfig | None = None, flash: bool = True, poll: int | None = None) -> list[str]:  # fmt: skip
     """kv "tier": the model's quality tier (study.benchmarks.QUALITY_TIERS), an ott3/ott2 cache configured."""
     k, v = resolve_kv_types("ott3/ott2" if kv == TIER else kv)
     extra = ott_args(tier) if kv == TIER and tier is not None else []
+    extra += ["--poll", str(poll)] if poll is not None else []
     return [str(build / "bin" / "llama-bench"), "-m", str(model), "-ctk", k, "-ctv", v, "-fa", str(int(flash)),
             "-p", str(n_prompt), "-n", str(n_gen), "-d", depths, "-r", "1", "-t", str(threads), "-o", "json",
             *extra]  # fmt: skip
@@ -53,7 +58,9 @@ def parse_run(run: str) -> tuple[str, str, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m study.bench_ab", description=__doc__)
     ap.add_argument("--builds", required=True, help="name=package_dir,... (the installed ott_gguf directories)")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="a test model's name or a GGUF path")
+    ap.add_argument("--ott-params", default="", help="the tier's --ott-params where the model has no QUALITY_TIERS")
+    ap.add_argument("--poll", type=int, help="llama-bench --poll (0: threads sleep between tasks)")
     ap.add_argument("--runs", required=True, help="build:kv_type,... in the order each round runs them")
     ap.add_argument("--depths", default="0,4096,8192")
     ap.add_argument("--prompt", type=int, default=512)
@@ -63,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="markdown; the raw samples go next to it as .json")
     a = ap.parse_args(argv)
     builds = {n: Path(p).resolve() for n, p in (b.split("=", 1) for b in a.builds.split(","))}
-    model = models.fetch(a.model, quiet=True)
+    model = Path(a.model) if Path(a.model).is_file() else models.fetch(a.model, quiet=True)
+    tier = OttConfig(**parse_ott_params(a.ott_params)) if a.ott_params else QUALITY_TIERS.get(a.model)  # type: ignore[arg-type]
     runs = a.runs.split(",")
     samples: dict[str, list[float]] = {}
     log: list[str] = []
@@ -71,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.rounds):
         for run in runs:
             name, kv, flash = parse_run(run)
-            if kv == TIER and a.model not in QUALITY_TIERS:
-                raise SystemExit(f"{a.model} has no quality tier in study.benchmarks.QUALITY_TIERS")
-            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads, QUALITY_TIERS.get(a.model),
-                          flash)  # fmt: skip
+            if kv == TIER and tier is None:
+                raise SystemExit(f"{a.model} has no quality tier in study.benchmarks.QUALITY_TIERS: give --ott-params")
+            cmd = command(builds[name], model, kv, a.depths, a.prompt, a.gen, a.threads, tier, flash, a.poll)
             log.append(f"round {r + 1}/{a.rounds}, {name}, {kv}{'' if flash else ' (-fa 0)'}: {' '.join(cmd)}")
             print(log[-1], file=sys.stderr, flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Prepares what `make gpu-test` needs on an NVIDIA machine that reaches no network (the device tool's machines):
 # the pinned llama.cpp tree unpacked and pruned (the build takes it instead of the sdist), the pure-Python
-# llama_cpp layer, wheels of the few test dependencies such an image lacks, and SmolLM2 in two halves (one call
-# carries at most 64 MiB). Run here, after `make install models`; then see docs/gpu-offline.md.
+# llama_cpp layer, wheels of the few test dependencies such an image lacks (and of gguf and PyYAML, with which
+# study.random_gguf writes the 8B-shaped model there), and SmolLM2 in two halves (one call carries at most 64 MiB). Run here, after `make install models`; then see docs/gpu-offline.md.
 #   bash study/gpu_offline/bundle.sh [PYTHON_VERSION_ON_THE_GPU_MACHINE (3.12)]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +24,7 @@ SITE=$(.venv/bin/python -c 'import llama_cpp, os; print(os.path.dirname(llama_cp
 cp -r "$SITE" $OUT/py/ && find $OUT/py -name __pycache__ -prune -exec rm -rf {} +
 .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d $OUT/whl "cffi==2.0.0" "pycparser==2.23" "diskcache==5.6.3"
+    -d $OUT/whl "cffi==2.0.0" "pycparser==2.23" "diskcache==5.6.3" "gguf==0.19.0" "PyYAML==6.0.2"
 half=$(( ($(stat -c %s "$MODEL") + 1) / 2 ))
 split -b "$half" -d "$MODEL" $OUT/model.part
 cp study/gpu_offline/*.sh $OUT/

@@ -4,8 +4,9 @@
 # minute, before the build: where the ott ops' time goes, docs/cuda-harness.md); CUDA build for this GPU; the
 # libstdc++ check and the in-process tests (each group in its own pytest, so that a crash hides nothing else; the
 # native backtrace only where one crashed); op placement; per-kernel device time of the ott ops (ncu); decode
-# speed at depth 4096; ott2/q4_0 KL divergence against f16 on the GPU; the kernels against the numpy reference;
-# the whole benchmark (study.gpu_check) only where FULL_BENCH is set.
+# speed at depth 4096; decode on the 8B shape (study.random_gguf, written during the build) at 4096 and 32768;
+# ott2/q4_0 KL divergence against f16 on the GPU; the kernels against the numpy reference; the whole benchmark
+# (study.gpu_check) only where FULL_BENCH is set.
 W=/tmp/ott
 export OTT_GGUF_CACHE=$W/cache/ott-gguf PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -21,6 +22,11 @@ fi
 timeout 120 $W/ott-bench; echo "ott-bench rc=$?"
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
+# Llama-3-8B's shape with random Q4_0 weights (4.3 GiB, ~15 s of one core: written here, not carried), while the
+# build takes the other cores; the 8B decode step waits for it
+log "the 8B-shaped model, in the background: python3 -m study.random_gguf --shape llama3-8b"
+(python3 -m study.random_gguf --shape llama3-8b --out $W/llama3-8b.gguf; echo "random_gguf rc=$?") \
+  > $W/random-gguf.log 2>&1 &
 log build
 # the architectures: CMakeLists.txt's default (the visible GPU's) unless CUDA_ARCH names others
 time python3 -m pip install --no-index --no-deps --no-build-isolation -Ccmake.define.OTT_GGUF_CUDA=ON \
@@ -62,6 +68,18 @@ python3 study/gpu_offline/ncu_summary.py $W/ncu-ott2.csv
 log "decode speed, f16 and ott2 at depth 4096 (tg64, 3 repetitions)"
 for kv in f16 ott2; do
   timeout 120 $B/llama-bench -m $M -ctk $kv -ctv $kv -fa 1 -p 0 -n 64 -d 4096 -r 3 -ngl 99 2>/dev/null | grep tg64
+done
+log "decode on the 8B shape (random Q4_0 weights, 32 layers), f16 and ott2 interleaved: tg32 at depth 4096, 32768"
+wait; cat $W/random-gguf.log  # the model writer started before the build
+for d in 4096 32768; do
+  for r in $(seq $([ $d = 4096 ] && echo 3 || echo 2)); do
+    for kv in f16 ott2; do
+      res=$(timeout 100 $B/llama-bench -m $W/llama3-8b.gguf -ctk $kv -ctv $kv -fa 1 -p 0 -n 32 -d $d -r 1 -ngl 99 \
+        2>/dev/null | grep tg32)
+      echo "round $r $kv: ${res:-no tg32 row (failed, or past 100 s)}"
+      [ -n "$res" ] || continue 3  # failed or past 100 s: the next depth (the deeper one would fail too)
+    done
+  done
 done
 log "KL divergence against f16 on the GPU (-ngl 99)"
 D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
