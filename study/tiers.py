@@ -44,6 +44,9 @@ class Tier:
     k_mix: bool = True  # K widths per channel in the groups of 3-bit keys (the default; docs/k-channel-widths.md)
     v_sym: bool = False  # symmetric 2-bit V blocks (docs/v-blocks.md)
     R: int = 32  # the fp16 recent window
+    outliers: int = 3  # outlier_num
+    aux: int = 32  # aux_cap
+    nol: int = 2  # no_outlier_layers
 
     @property
     def label(self) -> str:
@@ -55,12 +58,16 @@ class Tier:
             (" +rotV" if self.v_rotate else "") + (" +symV" if self.v_sym else "") + (" uniform K" if uniform else "")
         )
         name += f" R={self.R}" if self.R != 32 else ""
+        name += f" O={self.outliers}" if self.outliers != 3 else ""
+        name += f" aux={self.aux}" if self.aux != 32 else ""
+        name += f" NOL={self.nol}" if self.nol != 2 else ""
         return name + (f" --ott-layers {self.layers}" if self.layers else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
-            out += ["--ott-params", f"128,{self.R},3,32,2,{int(self.v_rotate)},{int(self.k_mix)},{int(self.v_sym)}"]
+            out += ["--ott-params", f"128,{self.R},{self.outliers},{self.aux},{self.nol},{int(self.v_rotate)},"
+                    f"{int(self.k_mix)},{int(self.v_sym)}"]  # fmt: skip
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -69,7 +76,8 @@ class Tier:
         if self.v_rotate is None:
             return None
         return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix, "v_sym": self.v_sym,
-                "R": self.R}  # fmt: skip
+                "R": self.R, "outlier_num": self.outliers, "aux_cap": self.aux,
+                "no_outlier_layers": self.nol}  # fmt: skip
 
 
 TIERS = (
