@@ -1,12 +1,20 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import pytest
+# llama.cpp's CPU threads meet at an OpenMP barrier after every graph node (this build uses OpenMP), and libgomp
+# spins 300000 rounds there before it sleeps: when a test runs anything else at the same time (a server, lavapipe's
+# thread, an nvcc unit), the waiting thread keeps a core from the one it waits for. 1000 rounds: measured the same
+# speed on an idle machine (SmolLM2, 500-token prefill and 60 decoded tokens, 2 threads) and 3.5x faster decode on
+# a busy one (docs/testing.md). Set before the native libraries load; the tools the tests start inherit it.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-import ott_gguf
-from ott_gguf._lib import LIB_DIR
+import pytest  # noqa: E402
+
+import ott_gguf  # noqa: E402
+from ott_gguf._lib import LIB_DIR  # noqa: E402
 
 # the repository's study tools (study/, not installed) are importable as `study`; the root goes last so that
 # `ott_gguf` stays the installed package (or PYTHONPATH's), never the source tree by accident

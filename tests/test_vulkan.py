@@ -1,8 +1,8 @@
 """llama.cpp's Vulkan backend in this build, run on lavapipe (Mesa's Vulkan on the CPU, installed by the Makefile)
 where no GPU is present: AUTO builds it when its build dependencies are there, SmolLM2 with an f16 cache and with
-an ott2 cache runs fully offloaded to Vulkan0 with the CPU's logits (the ott ops on Vulkan: test_vulkan_ops.py
-checks each against the reference); with -nkvo the ott cache stays on the CPU, by the user's choice, while the
-layers' weights run on Vulkan0 (llama-perplexity on three layers, and ott_gguf.Llama on all)."""
+an ott2 cache runs offloaded to Vulkan0 with the CPU's logits (llama-perplexity on three layers, ott_gguf.Llama on
+all; the ott ops on Vulkan: test_vulkan_ops.py checks each against the reference); with -nkvo the ott cache stays on
+the CPU, by the user's choice, while the layers' weights run on Vulkan0."""
 
 from __future__ import annotations
 
@@ -109,29 +109,29 @@ def logits_of(bases: dict[tuple[str, ...], Path], env: dict[str, str], model: Pa
     return bases[key]
 
 
-# every layer on the CPU; every layer on Vulkan0 (its cache too, unless -nkvo); the last three blocks on Vulkan0
-# (their caches too, unless -nkvo) and the output layer on the CPU: lavapipe's time is its layers' (each block and
-# the output layer about a tenth of a second per token on 2 cores), so the checks that are not about the whole
-# model on the device (f16's kernels there, -nkvo) offload three
+# every layer on the CPU; the last three blocks and their caches on Vulkan0 (unless -nkvo), the rest on the CPU, with
+# llama.cpp's op offload off: by default ggml-vulkan also takes the CPU layers' matrix products of batches of 32 or
+# more tokens (their weights copied to the device each time), so every run put the whole model's prompt work on
+# lavapipe, which runs it on one thread (measured: 84 s with every layer there, 114 s with one; with three and no
+# op offload 17 s for f16, 30 s for ott2). Three layers show what the tests check: placement per layer (a layer's
+# ott op run elsewhere adds splits), sealing on the device, the logits of the CPU. ott_gguf.Llama below runs every
+# layer on Vulkan0
 CPU_ONLY = ("-ngl", "0", "-dev", "none")
-ALL_VULKAN0 = ("-ngl", "99", "-dev", "Vulkan0")
-LAST3_VULKAN0 = ("-ngl", "3", "-dev", "Vulkan0")
+LAST3_VULKAN0 = ("-ngl", "3", "-dev", "Vulkan0", "--no-op-offload")
 # the ott tests' ubatches: seven per chunk, so that the last three attend to the group sealed after the fourth
 OTT_UB = ("-ub", "32")
 
 
 def vulkan0_against(bases: dict[tuple[str, ...], Path], env: dict[str, str], model: Path, text: Path, kv: str,
-                    tmp_path: Path, base_flags: tuple[str, ...], *extra: str, n_ctx: int = N_CTX,
-                    offload: tuple[str, ...] = ALL_VULKAN0) -> str:  # fmt: skip
-    """llama-perplexity's log of the layers `offload` puts on Vulkan0 (plus `extra` flags), KL divergence against the
-    run with base_flags (plus the same `extra`) of the same cache type."""
+                    tmp_path: Path, base_flags: tuple[str, ...], *extra: str, n_ctx: int = N_CTX) -> str:  # fmt: skip
+    """llama-perplexity's log of three layers on Vulkan0 (plus `extra` flags), KL divergence against the run with
+    base_flags (plus the same `extra`) of the same cache type."""
     base = logits_of(bases, env, model, text, kv, tmp_path, *base_flags, *extra, n_ctx=n_ctx)
-    r = perplexity(env, model, text, kv, *offload, *extra, "--kl-divergence-base", str(base), "--kl-divergence",
+    r = perplexity(env, model, text, kv, *LAST3_VULKAN0, *extra, "--kl-divergence-base", str(base), "--kl-divergence",
                    n_ctx=n_ctx)  # fmt: skip
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
-    n = LAYERS if offload == ALL_VULKAN0 else int(offload[1])
-    assert f"offloaded {n}/{LAYERS} layers to GPU" in log, log[-3000:]
+    assert f"offloaded 3/{LAYERS} layers to GPU" in log, log[-3000:]
     return log
 
 
@@ -140,7 +140,7 @@ def test_f16_cache_offloaded_to_vulkan0_gives_the_cpu_logits(
     smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
     """The stock path, the control for the ott runs: three layers and their f16 cache on Vulkan0."""
-    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "f16", tmp_path, CPU_ONLY, offload=LAST3_VULKAN0)
+    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "f16", tmp_path, CPU_ONLY)
     assert re.search(r"Vulkan0 KV buffer size", log), log[-3000:]
     num = perplexity_numbers(log)
     # other kernels (ggml-vulkan's matmuls and flash attention against ggml-cpu's, which quantizes the activations
@@ -154,8 +154,7 @@ def test_f16_cache_offloaded_to_vulkan0_gives_the_cpu_logits(
 def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
     smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
-    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "ott2", tmp_path, CPU_ONLY, *OTT_UB, "-nkvo",
-                          offload=LAST3_VULKAN0)  # fmt: skip
+    log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "ott2", tmp_path, CPU_ONLY, *OTT_UB, "-nkvo")
     assert "ott2 cache on CPU" in log and "ott2 cache on Vulkan" not in log, log[-3000:]
     num = perplexity_numbers(log)
     print(f"ott2 on the CPU, the layers on Vulkan0, against all on the CPU: {num}")
@@ -164,54 +163,50 @@ def test_ott_cache_kept_on_the_cpu_with_nkvo_while_the_layers_run_on_vulkan0(
 
 
 @needs_vulkan
-def test_ott_cache_fully_offloaded_to_vulkan0_gives_the_cpu_logits(
+def test_ott_cache_offloaded_to_vulkan0_gives_the_cpu_logits(
     smollm2: Path, text: Path, vk_env: dict[str, str], cpu_logits: dict, tmp_path: Path
 ) -> None:
-    """Every layer and its ott2 cache on Vulkan0: the three ott ops run there (placed by ggml-vulkan's supports_op
-    with the state in its buffer, never on a copy; a seal on a copy would leave the cache unsealed), against all on
-    the CPU. Each op is checked alone in test_vulkan_ops.py (the state bit for bit); here the graph: placement,
-    barriers, ubatches that attend to groups sealed by earlier ones."""
+    """Three layers and their ott2 caches on Vulkan0: the three ott ops run there (placed by ggml-vulkan's
+    supports_op with the state in its buffer, never on a copy; a seal on a copy would leave the cache unsealed),
+    against all on the CPU. Each op is checked alone in test_vulkan_ops.py (the state bit for bit); here the graph:
+    placement, barriers, ubatches that attend to groups sealed by earlier ones."""
     log = vulkan0_against(cpu_logits, vk_env, smollm2, text, "ott2", tmp_path, CPU_ONLY, *OTT_UB, *OTT_PARAMS)
-    assert "ott2 cache on Vulkan0" in log and "ott2 cache on CPU" not in log, log[-3000:]
+    assert "ott2 cache on Vulkan0" in log, log[-3000:]
     assert re.search(r"n_ubatch\s+= 32", log), log[-3000:]
-    # the ops' placement: the graph is cut in two (the input embeddings' split and Vulkan0), as with f16; an ott op
-    # of a layer run elsewhere would add splits per layer and copies of the state (measured: splits = 2)
+    # the ops' placement: the graph is cut in two (the CPU's layers and Vulkan0's), as with f16; an ott op of a
+    # layer run elsewhere would add splits per layer and copies of the state (measured: splits = 2)
     splits = [int(n) for n in re.findall(r"graph: nodes = \d+, splits = (\d+)", log)]
     assert splits and max(splits) <= 2, splits
     num = perplexity_numbers(log)
     print(f"ott2 on Vulkan0 against all on the CPU: {num}")
-    # measured on lavapipe (llvmpipe, LLVM 15.0.6): mean KLD 0.0127, top-1 93.2% (103 tokens, R 0), as f16's
-    # difference above (the weights' kernels); a wrong op costs far more (ott2 against f16: about 0.05)
+    # measured on lavapipe (llvmpipe, LLVM 15.0.6), every layer there: mean KLD 0.0127, top-1 93.2% (103 tokens,
+    # R 0), as f16's difference above (the weights' kernels); a wrong op costs far more (ott2 against f16: ~0.05)
     assert num["mean_kld"] <= 0.02 and num["top1"] >= 85.0, num
 
 
-# ott_gguf.Llama in a process of its own: GGML_VK_VISIBLE_DEVICES must be set before ggml registers its backends
+# ott_gguf.Llama in a process of its own: GGML_VK_VISIBLE_DEVICES must be set before ggml registers its backends.
+# (Every layer on Vulkan0 with the ott2 cache on the CPU, offload_kqv=False, answers in the refusal test below.)
 LLAMA_SCRIPT = """
 import json, sys
 from ott_gguf import Llama
 out = {}
 msg = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-for name, kw in (("vulkan", {}), ("cpu_cache", {"offload_kqv": False})):
-    llm = Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, verbose=False, **kw)
-    r = llm.create_chat_completion(msg, max_tokens=12, temperature=0.0)
-    out[name] = r["choices"][0]["message"]["content"]
-    llm.close()
+llm = Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, verbose=False)
+out["vulkan"] = llm.create_chat_completion(msg, max_tokens=12, temperature=0.0)["choices"][0]["message"]["content"]
+llm.close()
 print(json.dumps(out))
 """
 
 
 @needs_vulkan
-def test_python_llama_answers_with_the_ott_cache_on_vulkan0_and_on_the_cpu(
-    smollm2: Path, vk_env: dict[str, str]
-) -> None:
+def test_python_llama_answers_with_the_ott_cache_on_vulkan0(smollm2: Path, vk_env: dict[str, str]) -> None:
     r = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT, str(smollm2)], capture_output=True, text=True, timeout=900,
                        env=vk_env)  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     print(out)
-    # greedy, weights on Vulkan0, the ott2 cache there or (offload_kqv=False) on the CPU; measured: "The capital of
-    # France is Paris." from both, as on the CPU alone
-    assert "Paris" in out["vulkan"] and "Paris" in out["cpu_cache"], out
+    # greedy, weights and the ott2 cache on Vulkan0; measured: "The capital of France is Paris.", as on the CPU alone
+    assert "Paris" in out["vulkan"], out
 
 
 # A device without fp64 (Intel Arc) cannot run the seal: GGML_VK_OTT_DISABLE_F64 makes lavapipe answer as one
