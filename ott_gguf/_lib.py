@@ -244,20 +244,37 @@ def kv_cache_bytes(ctx: object) -> int:
 
 def ott_model_problem(model_path: str) -> str:
     """Why the ott caches cannot serve the model at model_path ("" when they can)."""
+    from .info import captured_log
+
     lc = llama_cpp_module().llama_cpp
+    if not os.path.exists(model_path):
+        raise ValueError(f"Model path does not exist: {model_path}")  # llama_cpp.Llama's words
     params = lc.llama_model_default_params()
     params.vocab_only = True  # the architecture and hparams are read before the tensors: no weights needed
     quiet = lc.llama_progress_callback(lambda progress, user_data: True)  # no progress dots on stderr
     params.progress_callback = quiet
-    model = lc.llama_model_load_from_file(model_path.encode(), params)
+    with captured_log() as lines:
+        model = lc.llama_model_load_from_file(model_path.encode(), params)
     if not model:
-        raise ValueError(f"could not load the model {model_path}")
+        raise ValueError(f"could not load the model {model_path}: {load_failure_reason(lines)}")
     try:
         buf = ctypes.create_string_buffer(512)
         ok = native().llama_ott_supports_model(model, buf, len(buf))
         return "" if ok else buf.value.decode()
     finally:
         lc.llama_model_free(model)
+
+
+def load_failure_reason(log_lines: list[str]) -> str:
+    """Why llama.cpp failed to load a model, from its log: the GGUF reader's complaint (a file that is not a GGUF)
+    or the loader's (a truncated file: tensor data past the end), without the function names."""
+    errors = [ln.strip() for ln in log_lines if ("error" in ln or "invalid" in ln or "failed" in ln)]
+    errors = [ln for ln in errors if not ln.endswith("failed to load model")]  # the generic last line
+    gguf = [ln for ln in errors if ln.startswith("gguf_")]
+    pick = gguf[0] if gguf else errors[0] if errors else ""
+    pick = pick.split(": ", 1)[1] if ": " in pick else pick  # "func: text" -> "text"
+    pick = pick.removeprefix("error loading model: ")
+    return pick or "llama.cpp gave no reason (run with verbose=True to see its log)"
 
 
 def gpu_devices() -> list[str]:

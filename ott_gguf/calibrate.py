@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,57 @@ class Calibration:
     max_bits: float | None = None  # or: bits per element at BITS_CTX allowed
     bits: tuple[float, float] | None = None  # bits per element at BITS_CTX tokens: base pair, chosen widths
     commands: list[str] = field(default_factory=list)
+    ott_params: str = ""  # the configuration's native fields, as --ott-params takes them
+    chunks: int = 0
+    n_ctx: int = 0
+    seconds: float = 0.0
+
+    def record(self, sha256: str, command: str, provenance: str = "") -> dict[str, object]:
+        """The calibration file's fields (docs/kv-tiers.md), schema and version aside (tiers.write_calibration)."""
+        from datetime import datetime, timezone
+
+        from . import __version__
+
+        try:
+            from ._lib import llama_ott_build_info
+
+            build = llama_ott_build_info()
+        except Exception:  # noqa: BLE001 (a record without the build line is still a record)
+            build = ""
+        out: dict[str, object] = {
+            "model_sha256": sha256,
+            "model_file": Path(self.model).name,
+            "kv_type": self.kv_type,
+            "ott_params": self.ott_params,
+            "layer_widths": self.spec,
+            "bits_per_element": None
+            if self.bits is None
+            else {"n_ctx": BITS_CTX, "base_pair": round(self.bits[0], 4), "calibrated": round(self.bits[1], 4)},
+            "mean_kld_vs_f16": {
+                "base_pair": round(self.base_kld, 6),
+                "calibrated": round(self.measured_kld, 6),
+                "predicted": round(self.plan.predicted_kld, 6),
+            },  # fmt: skip
+            "calibration": {
+                "command": command,
+                "up": f"{self.up[0]}/{self.up[1]}",
+                "down": f"{self.down[0]}/{self.down[1]}",
+                "blocks": [[b.layers[0], b.layers[-1]] for b in self.blocks],
+                "budget": self.budget,
+                "max_bits": self.max_bits,
+                "chunks": self.chunks,
+                "n_ctx": self.n_ctx,
+                "text": f"the pinned llama.cpp docs (ott_gguf.corpus) from byte {CALIB_OFFSET} on, disjoint from "
+                "the text ott-gguf eval measures on",
+                "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "seconds": round(self.seconds),
+                "ott_gguf": __version__,
+                "build": build,
+            },
+        }
+        if provenance:
+            out["provenance"] = provenance
+        return out
 
     def report(self) -> str:
         lines = [f"calibration of {self.model}, base {self.kv_type} (K/V bits {self.base[0]}/{self.base[1]}), "
@@ -232,6 +284,18 @@ def calibrate(
     bounds = [round(i * len(layers) / n_blocks) for i in range(n_blocks + 1)]
     groups = [tuple(layers[bounds[i] : bounds[i + 1]]) for i in range(n_blocks)]
     commands: list[str] = []
+    # llama-perplexity runs: f16 logits, the base pair, each block up and down, the chosen widths
+    planned = 3 + 2 * len(groups)
+    start = time.monotonic()
+
+    def progress(what: str) -> str:
+        done = len(commands)
+        spent = time.monotonic() - start
+        left = spent / done * max(planned - done, 0) if done else 0.0
+        return f"[{done}/{planned}, {_duration(spent)} spent, about {_duration(left)} left] {what}"
+
+    log(f"calibrating {model.name}: {planned} runs of llama-perplexity ({chunks} chunk(s) of {n_ctx} tokens, "
+        f"{threads} thread(s)); the first, f16, is the reference")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "calib.txt"
         text.write_text(calibration_text(chunks * n_ctx * 8))
@@ -249,6 +313,7 @@ def calibrate(
             return None if "--kl-divergence" not in args else perplexity_numbers(r.stdout + r.stderr)
 
         run(["-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(ref)], "f16 logits")
+        log("  " + progress("f16 reference logits"))
 
         def kld(widths: dict[int, Widths], what: str) -> float:
             args = ["-ctk", k, "-ctv", v, "--kl-divergence-base", str(ref), "--kl-divergence"]
@@ -256,7 +321,7 @@ def calibrate(
                 args += ["--ott-layers", format_layer_widths(widths)]
             num = run(args, what)
             assert num is not None
-            log(f"  {what}: mean KLD {num['mean_kld']:.4f}")
+            log("  " + progress(f"{what}: mean KLD {num['mean_kld']:.4f}"))
             return num["mean_kld"]
 
         base_kld = kld({}, f"{kv_type} everywhere")
@@ -288,8 +353,14 @@ def calibrate(
         if bits_known
         else None
     )
+    params_text = ",".join(str(x) for x in (ott_config or OttConfig()).native())
     return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget,
-                       max_bits, bits, commands)  # fmt: skip
+                       max_bits, bits, commands, params_text, chunks, n_ctx, time.monotonic() - start)  # fmt: skip
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def plan_within_bits(

@@ -27,16 +27,47 @@ def _model_path(arg: str | None) -> Path:
 
 
 def _kv_types(args: argparse.Namespace) -> str:
-    """--kv-type with --type-k/--type-v over one side each, validated: "ott2", or "ott3/ott2" (K/V)."""
+    """--kv-type with --type-k/--type-v over one side each, validated: "ott2", or "ott3/ott2" (K/V); with --kv-tier,
+    checked that none of the explicit options is given too (the tier's pair is resolved with the model, _cache)."""
     from .kv_types import kv_pair_name, resolve_kv_types
 
-    return kv_pair_name(*resolve_kv_types(args.kv_type, args.type_k, args.type_v))
+    tier = getattr(args, "kv_tier", None)
+    if tier is not None:
+        options = (("--kv-type", args.kv_type), ("-ctk", args.type_k), ("-ctv", args.type_v),
+                   ("--ott-params", getattr(args, "ott_params", "")), ("--ott-layers", args.ott_layers))  # fmt: skip
+        given = [flag for flag, value in options if value]
+        if given:
+            raise ValueError(f"--kv-tier {tier} chooses the K/V types and their parameters; {', '.join(given)} would "
+                             "override it: give --kv-tier alone, or the explicit options alone")  # fmt: skip
+        return tier
+    return kv_pair_name(*resolve_kv_types(args.kv_type or args.kv_type_default, args.type_k, args.type_v))
 
 
-def _add_kv_type_args(p: argparse.ArgumentParser, default: str) -> None:
+def _cache(args: argparse.Namespace, path: Path) -> tuple[str, OttConfig | None]:
+    """The K/V pair and configuration the options ask for: --kv-tier's for this model (said in one line on
+    stderr), else --kv-type/-ctk/-ctv with --ott-params/--ott-layers."""
+    kv_type = _kv_types(args)
+    if getattr(args, "kv_tier", None) is None:
+        return kv_type, _ott_config(args, kv_type)
+    from .tiers import resolve_tier
+
+    tier = resolve_tier(args.kv_tier, path)
+    print(tier.line, file=sys.stderr, flush=True)
+    return tier.kv_type, tier.ott_config
+
+
+def _add_kv_type_args(p: argparse.ArgumentParser, default: str, tier: bool = True) -> None:
     from .kv_types import KV_TYPES
+    from .tiers import KV_TIERS
 
-    p.add_argument("--kv-type", default=default,
+    p.set_defaults(kv_type_default=default, kv_tier=None)
+    if tier:
+        p.add_argument("--kv-tier", choices=KV_TIERS,
+                       help="a named K/V cache tier instead of the options below (docs/kv-tiers.md): compact = ott2 "
+                       "(~2.7 bits per element), quality = ott3/ott2 with --ott-params 128,64,3,32,2,1,1,1 and the "
+                       "model's calibrated --ott-layers when a calibration is found (~3.2 bits) (default: none, "
+                       "--kv-type's)")  # fmt: skip
+    p.add_argument("--kv-type", default=None,
                    help=f"K/V cache type of both sides: {', '.join(KV_TYPES)}, or K/V such as ott3/ott2 "
                    f"(default {default})")  # fmt: skip
     p.add_argument("-ctk", "--type-k", metavar="TYPE", help="K cache type, over --kv-type's (default: --kv-type's)")
@@ -189,9 +220,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .chat import guessed_format_line, padded_n_ctx, truncation_marker
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
-    cfg = _ott_config(args, kv_type)
-    kw = _llama_kwargs(args, kv_type, cfg)
+    kw = _llama_kwargs(args, kv_type, None)
     path = _model_path(_model_arg(args))
+    kw["kv_type"], kw["ott_config"] = _cache(args, path)
     llm = Llama(str(path), n_ctx=padded_n_ctx(args.n_ctx), **kw)
     note = guessed_format_line(llm)
     if note:
@@ -202,7 +233,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     choice = out["choices"][0]
     marker = truncation_marker(choice["finish_reason"], out["usage"]["prompt_tokens"], args.max_tokens, llm.n_ctx())
     print(choice["message"]["content"] + (f" {marker}" if marker else ""))
-    print(f"[{path.name}, kv_type={llm.kv_type}, {llama_ott_build_info()}]", file=sys.stderr)
+    tier = f"kv_tier={args.kv_tier}, " if args.kv_tier else ""
+    print(f"[{path.name}, {tier}kv_type={llm.kv_type}, {llama_ott_build_info()}]", file=sys.stderr)
     llm.close()
     return 0
 
@@ -211,18 +243,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat
 
     kv_type = _kv_types(args)  # before fetching a model for nothing
-    cfg = _ott_config(args, kv_type)
-    kw = _llama_kwargs(args, kv_type, cfg)
-    return chat.run(_model_path(_model_arg(args)), n_ctx=args.n_ctx, system=args.system, max_tokens=args.max_tokens,
+    kw = _llama_kwargs(args, kv_type, None)
+    path = _model_path(_model_arg(args))
+    kw["kv_type"], kw["ott_config"] = _cache(args, path)
+    return chat.run(path, n_ctx=args.n_ctx, system=args.system, max_tokens=args.max_tokens,
                     temperature=args.temperature, **kw)  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import server_command
 
-    kv_type = _kv_types(args)
-    cfg = _ott_config(args, kv_type)
+    _kv_types(args)
     path = _model_path(args.model)
+    kv_type, cfg = _cache(args, path)
     extra = list(args.passthrough)
     if not args.host.endswith(".sock") and "--reuse-port" not in extra:  # a unix socket; a port meant to be shared
         _check_port_free(args.host, args.port)  # the banner below says it serves: not before the port can be had
@@ -253,17 +286,31 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import shlex
+
     from .calibrate import calibrate
+    from .tiers import QUALITY_PARAMS, model_sha256, user_calibration_dir, write_calibration
 
     kv_type = _kv_types(args)
     if args.ott_layers:
         raise ValueError("calibrate chooses --ott-layers itself; give only --ott-params")
+    if not args.ott_params and args.kv_type is None and not (args.type_k or args.type_v):
+        args.ott_params = QUALITY_PARAMS  # the quality tier's pair and parameters: what `--kv-tier quality` reads
     cfg = _ott_config(args, kv_type)
     path = _model_path(args.model)
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: no such directory {out.parent}")
     cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
                     n_ctx=args.n_ctx, threads=args.threads, budget=args.budget, max_bits=args.max_bits,
-                    ott_config=cfg, log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                    ott_config=cfg, log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     print(cal.report())
+    sha = model_sha256(path)
+    command = shlex.join(["ott-gguf", *args.argv])
+    record = cal.record(sha, command)
+    target = out or user_calibration_dir() / f"{sha}.json"
+    write_calibration(target, record)
+    print(f"calibration written to {target} (sha256 {sha[:12]}... of {path.name})")
     if cal.spec:
         params = f" --ott-params {args.ott_params}" if args.ott_params else ""
         fields = {f: getattr(cfg, f) for f in cfg.NATIVE_FIELDS} if cfg else {}
@@ -296,9 +343,11 @@ def _kv_type_list(value: str) -> list[str]:
     """--kv-types: comma-separated names or K/V pairs (ott3/ott2), validated here so that a typo fails before any
     model is loaded."""
     from .kv_types import kv_pair_name, resolve_kv_types
+    from .tiers import KV_TIERS
 
     try:
-        names = [kv_pair_name(*resolve_kv_types(v.strip())) for v in value.split(",") if v.strip()]
+        names = [v.strip() if v.strip() in KV_TIERS else kv_pair_name(*resolve_kv_types(v.strip()))
+                 for v in value.split(",") if v.strip()]  # fmt: skip
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not names:
@@ -328,10 +377,23 @@ def _progress(msg: str) -> None:
     print(f"ott-gguf: {msg}", file=sys.stderr, flush=True)
 
 
+def _tiers_in(kv_types: list[str], path: Path) -> dict[str, tuple[str, OttConfig | None]]:
+    """The tiers named among --kv-types, resolved for this model (each said in one line on stderr)."""
+    from .tiers import KV_TIERS, resolve_tier
+
+    out: dict[str, tuple[str, OttConfig | None]] = {}
+    for name in kv_types:
+        if name in KV_TIERS:
+            tier = resolve_tier(name, path)
+            print(tier.line, file=sys.stderr, flush=True)
+            out[name] = (tier.kv_type, tier.ott_config)
+    return out
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import textwrap
 
-    from .info import MEASURE_CTX, MIB, formula_bytes_per_token, measure_kv_bytes, model_info
+    from .info import MEASURE_CTX, MIB, _allocated_bytes, formula_bytes_per_token, measure_kv_bytes, model_info
     from .kv_types import is_ott_kv_type
 
     path = _model_path(args.model)
@@ -348,10 +410,18 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"sliding window: {mi.sliding_window}")
     print("ott2: supported" if not mi.ott2_problem else f"ott2: not supported: {mi.ott2_problem}")
 
-    types = [t for t in args.kv_types if not (mi.ott2_problem and is_ott_kv_type(t))]
-    measured = {k.kv_type: k for k in measure_kv_bytes(path, types)}
+    tiers = _tiers_in(args.kv_types, path)
+    pair = {t: tiers[t][0] if t in tiers else t for t in args.kv_types}
+    types = [t for t in args.kv_types if not (mi.ott2_problem and is_ott_kv_type(pair[t]))]
+    # what ott_gguf.Llama (Python, chat, generate) allocates: llama-cpp-python keeps a sliding-window model's window
+    # layers full size (swa_full); llama.cpp's tools (serve, bench) keep only the window
+    measured = {k.kv_type: k for k in measure_kv_bytes(path, types, tiers=tiers, swa_full=None)}  # type: ignore[arg-type]
+    windowed = {t: _allocated_bytes(path, pair[t], args.n_ctx, tiers[t][1] if t in tiers else None, False)[0]
+                for t in types} if mi.sliding_window else {}  # fmt: skip
     budget = args.budget_mib * MIB
     header = ["kv_type", "bytes/token", "formula", "fixed MiB", f"MiB @ {args.n_ctx}"]
+    if windowed:
+        header.append(f"MiB @ {args.n_ctx} serve")
     header.append(f"max n_ctx in {args.budget_mib:g} MiB")
     rows = []
     for t in args.kv_types:
@@ -359,9 +429,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         if k is None:
             rows.append([t, "-", "-", "-", "-", "not supported"])
             continue
-        f = formula_bytes_per_token(mi, t)
-        rows.append([t, f"{k.per_token:.0f}", "-" if f is None else f"{f:.0f}", f"{k.fixed / MIB:.2f}",
-                     f"{k.at(args.n_ctx) / MIB:.2f}", str(k.longest_context(budget))])  # fmt: skip
+        f = None if t in tiers else formula_bytes_per_token(mi, t)
+        row = [t, f"{k.per_token:.0f}", "-" if f is None else f"{f:.0f}", f"{k.fixed / MIB:.2f}",
+               f"{k.at(args.n_ctx) / MIB:.2f}"]  # fmt: skip
+        if windowed:
+            row.append(f"{windowed[t] / MIB:.2f}")
+        rows.append([*row, str(k.longest_context(budget))])
     small, large = MEASURE_CTX
     print()
     print(_table(header, rows))
@@ -373,6 +446,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         "is rounded down to a multiple of 256."
     )
     print("\n" + textwrap.fill(note, width=110))
+    if windowed:
+        print(textwrap.fill(
+            f"{mi.architecture} has sliding-window layers: the table is what ott_gguf.Llama (Python, chat, generate) "
+            "allocates, window layers as large as the others (llama-cpp-python's swa_full default); 'serve' is what "
+            "llama.cpp's tools (ott-gguf serve, llama-server, llama-bench) allocate, window layers holding only the "
+            "window. The ott caches keep only the window either way.", width=110))  # fmt: skip
     beyond = [t for t, k in measured.items() if mi.n_ctx_train and k.longest_context(budget) > mi.n_ctx_train]
     if beyond:
         print(textwrap.fill(
@@ -380,7 +459,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "beyond it: the budget fits that much cache, but the model's quality past its trained context is not "
             "what it was trained for (llama.cpp warns when n_ctx exceeds it).", width=110))  # fmt: skip
     for t in measured:
-        if is_ott_kv_type(t) and measured[t].parts:
+        if is_ott_kv_type(pair[t]) and measured[t].parts:
             parts = ", ".join(f"{name} {b / MIB:.2f}" for name, b in measured[t].parts.items())
             print(f"{t} at {large} tokens (MiB): {parts}")
     return 0
@@ -394,16 +473,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.plot:
         import_pyplot()  # fail before minutes of evaluation, not after
     text = Path(args.text).read_text(encoding="utf-8", errors="replace") if args.text else None
+    tiers = _tiers_in(args.kv_types, path)
     rows = evaluate(path, args.kv_types, text=text, n_ctx=args.n_ctx, chunks=args.chunks, ubatch=args.ubatch,
-                    n_threads=args.threads, progress=_progress)  # fmt: skip
+                    n_threads=args.threads, progress=_progress, tiers=tiers)  # fmt: skip
     source = args.text or "the pinned llama.cpp docs"
     print(f"{path.name}: {rows[0].n_tokens} tokens of {source} ({rows[0].chunks} chunk(s) of up to {args.n_ctx}, "
           f"ubatch {args.ubatch}), each K/V type against the {REFERENCE} cache")  # fmt: skip
-    header = ["kv_type", "mean KLD", "max KLD", "PPL", f"PPL / {REFERENCE}", f"top-1 = {REFERENCE}"]
+    header = ["kv_type", "mean KLD", "max KLD", "PPL", f"PPL / {REFERENCE}", f"top-1 = {REFERENCE}",
+              f"bits/elem @ {args.n_ctx}"]  # fmt: skip
     # significant digits, not decimals: an exact 0 prints as 0, a tiny divergence does not round to it
     print(_table(header, [[r.kv_type, f"{r.mean_kld:.4g}", f"{r.max_kld:.4g}", f"{r.ppl:.3f}", f"{r.ppl_ratio:.4f}",
-                           f"{100 * r.top1:.1f}%"] for r in rows]))  # fmt: skip
-    ott = [t for t in args.kv_types if is_ott_kv_type(t)]
+                           f"{100 * r.top1:.1f}%", "-" if r.bits_per_element is None else f"{r.bits_per_element:.2f}"]
+                          for r in rows]))  # fmt: skip
+    print(f"bits/elem: the bytes each cache allocated for {args.n_ctx} tokens (fp16 window, pools and any f16 window "
+          "layers included) over the K and V elements of those tokens in every layer")  # fmt: skip
+    ott = [t for t in args.kv_types if t in tiers or is_ott_kv_type(t)]
     cfg = OttConfig()
     if ott and args.n_ctx < cfg.R + cfg.G:
         # nothing is quantized below R + G positions: the ott rows then measure an fp16 cache, not their codes
@@ -411,9 +495,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
               f"positions): {', '.join(ott)} kept every token in fp16 here; use --n-ctx {cfg.R + cfg.G} or more",
               file=sys.stderr)  # fmt: skip
     if args.plot:
-        plot_eval(rows, args.plot, title=f"{path.name}: {rows[0].n_tokens} tokens, n_ctx {args.n_ctx}")
+        plot_eval(rows, args.plot, title=f"{path.name}: {rows[0].n_tokens} tokens in {rows[0].chunks} chunk(s) of "
+                  f"{args.n_ctx}, ubatch {args.ubatch}")  # fmt: skip
         print(f"plot: {args.plot}")
     return 0
+
+
+BENCH_SPREAD = 0.2  # (max - min) / median of the rounds above which bench warns
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -424,10 +512,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     if args.plot:
         import_pyplot()  # fail before the benchmark, not after
-    per_token = {k.kv_type: k.per_token for k in measure_kv_bytes(path, args.kv_types)}
+    tiers = _tiers_in(args.kv_types, path)
+    per_token = {k.kv_type: k.per_token for k in measure_kv_bytes(path, args.kv_types, tiers=tiers)}  # type: ignore[arg-type]
     try:
-        rows = bench(path, args.kv_types, depths=args.depths, n_prompt=args.n_prompt, n_gen=args.n_gen,
-                     threads=args.threads, reps=args.reps, progress=_progress)  # fmt: skip
+        rows = bench(
+            path,
+            args.kv_types,
+            depths=args.depths,
+            n_prompt=args.n_prompt,
+            n_gen=args.n_gen,
+            threads=args.threads,
+            reps=args.reps,
+            progress=_progress,
+            tiers=tiers,
+        )  # type: ignore[arg-type]
     except RuntimeError as e:
         print(f"ott-gguf: error: {e}", file=sys.stderr)
         return 1
@@ -439,12 +537,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
           "tg = decode, @ = tokens already in the cache")  # fmt: skip
     table = [[t, f"{per_token[t]:.0f}", *(cells.get((t, lb), "-") for lb in labels)] for t in args.kv_types]
     print(_table(["kv_type", "KV B/token", *labels], table))
-    wide = [f"{r.kv_type} {r.label}" for r in rows if r.spread > 0.1]
+    if args.reps == 1:
+        print("warning: one round: no spread to tell a busy or throttling machine from a real difference; use -r 3 or "
+              "more to compare types", file=sys.stderr)  # fmt: skip
+    wide = [f"{r.kv_type} {r.label} ({100 * r.spread:.0f}%)" for r in rows if r.spread > BENCH_SPREAD]
     if wide:
-        print(f"warning: the rounds differ by more than 10% for {', '.join(wide)}: the machine was busy or changing "
-              "speed; compare types within a round count, or run again with more rounds", file=sys.stderr)  # fmt: skip
+        print(f"warning: the rounds differ by more than {100 * BENCH_SPREAD:.0f}% of the median for "
+              f"{', '.join(wide)}: the machine was busy or changing speed; run again when it is idle, or with more "
+              "rounds", file=sys.stderr)  # fmt: skip
     if args.plot:
-        plot_bench(rows, args.plot, per_token, title=f"{path.name}, llama-bench")
+        rounds = f"median of {args.reps} round(s)" + (", bars: slowest to fastest" if args.reps > 1 else ", ONE round")
+        plot_bench(rows, args.plot, per_token, title=f"{path.name}, llama-bench, {rounds}")
         print(f"plot: {args.plot}")
     return 0
 
@@ -481,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
 
     k = sub.add_parser("calibrate", help="choose K/V code widths per layer for a model at the bytes of a K/V pair")
     k.add_argument("model", help="GGUF path or a known model name")
-    _add_kv_type_args(k, "ott3/ott2")
+    _add_kv_type_args(k, "ott3/ott2", tier=False)
     k.add_argument("--up", default="3/3", help="K/V bits of a widened block (default 3/3)")
     k.add_argument("--down", default="2/2", help="K/V bits of a narrowed block (default 2/2)")
     k.add_argument("--blocks", type=int, default=10, help="contiguous blocks of layers (default 10)")
@@ -493,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
     k.add_argument("--n-ctx", type=int, default=2048, help="tokens per chunk (default 2048)")
     k.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads")
+    k.add_argument("--out", metavar="FILE",
+                   help="write the calibration here (default: the user cache, <cache>/calibrations/<sha256>.json, "
+                   "where --kv-tier quality finds it; a file named <model>.ott-calib.json next to the model is "
+                   "found too)")  # fmt: skip
     k.set_defaults(fn=cmd_calibrate)
 
     m = sub.add_parser("models", help="fetch the test models into the cache and print their paths")
@@ -513,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("eval", help="KL divergence, perplexity ratio and top-1 agreement of K/V types vs f16")
     e.add_argument("model", help=known)
     e.add_argument("--text", help="UTF-8 text file (default: the pinned llama.cpp docs)")
-    e.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk, each from an empty cache")
+    e.add_argument("--n-ctx", type=int, default=2048,
+                   help="tokens per chunk, each from an empty cache (default 2048: most tokens then attend to sealed, "
+                   "quantized groups, as in a long chat; at 512 most stay in the fp16 window)")  # fmt: skip
     e.add_argument("--chunks", type=int, default=4, help="at most this many chunks")
     e.add_argument("--ubatch", type=int, default=16, help="tokens per decode call (1: token by token)")
     e.add_argument("--kv-types", type=_kv_type_list, default="f16,q8_0,q4_0,kivi2,ott2",
@@ -546,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"options itself (ott-gguf {cmd} -h)")  # fmt: skip
     args = ap.parse_args(argv)
     args.passthrough = passthrough
+    args.argv = argv
     try:
         return int(args.fn(args))
     except (ValueError, NotImplementedError, FileNotFoundError) as e:

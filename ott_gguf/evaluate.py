@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kv_types import kv_pair_name, resolve_kv_types
+from .kv_types import OttConfig, kv_pair_name, resolve_kv_types
 
 __all__ = ["EvalRow", "evaluate", "eval_logits", "kl_divergence", "log_softmax", "plot_eval", "text_chunks"]
 
@@ -50,19 +50,24 @@ def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
 
 def eval_logits(model: Path | str, kv_type: str, tokens: list[int], n_ctx: int = 2048, ubatch: int = 512,
-                first: int = 0, **kw: object) -> np.ndarray:  # fmt: skip
+                first: int = 0, kv_bytes: list[int] | None = None, **kw: object) -> np.ndarray:  # fmt: skip
     """Logits of positions first..len(tokens)-1 of `tokens`, evaluated from an empty cache of the given type (or
     "K/V" pair of types) in ubatches; shape (len(tokens) - first, n_vocab).
 
     Only the positions asked for get logits (llama.cpp computes the output layer for the flagged tokens only, as
     llama-perplexity's KL divergence scores only the second half of each chunk): with a 262k-token vocabulary the
-    output layer costs more than the rest of a small model."""
+    output layer costs more than the rest of a small model. kv_bytes: a list that gets the bytes the context's K/V
+    cache allocated."""
     from .llama import Llama
 
     if not 0 <= first < len(tokens):
         raise ValueError(f"need 0 <= first < {len(tokens)} tokens, got first={first}")
     llm = Llama(str(model), kv_type=kv_type, n_ctx=n_ctx, n_batch=ubatch, n_ubatch=ubatch, verbose=False, **kw)
     try:
+        if kv_bytes is not None:
+            from . import _lib
+
+            kv_bytes.append(_lib.kv_cache_bytes(llm._ctx.ctx))
         n_vocab = llm.n_vocab()
         out = np.empty((len(tokens) - first, n_vocab), np.float32)
         b = llm._batch.batch
@@ -120,6 +125,7 @@ class EvalRow:
     ppl: float  # perplexity of the text under this type's logits
     ppl_ratio: float  # ppl / ppl of f16
     top1: float  # fraction of positions whose argmax equals f16's
+    bits_per_element: float | None = None  # the cache's bytes at n_ctx over the K and V elements of n_ctx tokens
 
 
 @dataclass
@@ -141,30 +147,33 @@ def evaluate(
     kv_types: Sequence[str] = DEFAULT_KV_TYPES,
     *,
     text: str | None = None,
-    n_ctx: int = 512,
+    n_ctx: int = 2048,
     chunks: int = 4,
     ubatch: int = 16,
     n_threads: int | None = None,
     progress: Callable[[str], None] | None = None,
+    tiers: dict[str, tuple[str, OttConfig | None]] | None = None,
 ) -> list[EvalRow]:
     """Compare each cache type's logits with the f16 cache's on the same chunks of `text`.
 
     kv_types: names, or "K/V" pairs such as "ott3/ott2" (rows are named like that, or by the one type of a pair
-    that agrees). text defaults to the pinned llama.cpp docs (ott_gguf.corpus). f16 is evaluated once as the
+    that agrees), or labels that `tiers` maps to a pair and its configuration (a --kv-tier). text defaults to the
+    pinned llama.cpp docs (ott_gguf.corpus). f16 is evaluated once as the
     reference; an f16 row, when asked for, is a second, independent f16 run (so its zero KLD shows the evaluation
     is deterministic). One context at a time is alive, with one chunk's reference logits: memory stays at one
     chunk's worth.
     """
     from .info import require_ott_support
 
-    types = [kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
+    tiers = tiers or {}
+    types = [t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t in kv_types]
     if not types:
         raise ValueError("no K/V cache types to evaluate")
     if ubatch < 1:
         raise ValueError(f"ubatch must be >= 1, got {ubatch}")
     if not Path(model).is_file():
         raise FileNotFoundError(f"model file not found: {model}")
-    require_ott_support(model, types)  # before the reference run, not after it
+    require_ott_support(model, [tiers[t][0] if t in tiers else t for t in types])  # before the reference run
     if text is None:
         from .corpus import docs_text
 
@@ -173,6 +182,7 @@ def evaluate(
     token_chunks = text_chunks(model, text, n_ctx, chunks)
     kw: dict[str, object] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
     acc = {t: _Acc([], []) for t in types}
+    allocated: dict[str, list[int]] = {t: [] for t in types}
     ref_nll: list[np.ndarray] = []
     for ci, toks in enumerate(token_chunks):
         if progress:
@@ -183,28 +193,41 @@ def evaluate(
         for t in types:
             if progress:
                 progress(f"chunk {ci + 1}/{len(token_chunks)}: {t}")
-            got = eval_logits(model, t, toks, n_ctx=n_ctx, ubatch=ubatch, **kw)
+            pair, cfg = tiers.get(t, (t, None))
+            got = eval_logits(model, pair, toks, n_ctx=n_ctx, ubatch=ubatch, kv_bytes=allocated[t],
+                              **({**kw, "ott_config": cfg} if cfg is not None else kw))  # fmt: skip
             a = acc[t]
             a.kld.append(kl_divergence(ref, got))
             a.nll.append(_nll(got, toks))
             a.same += int((got.argmax(axis=1) == ref_top).sum())
             a.n += len(toks)
     ref_ppl = float(np.exp(np.concatenate(ref_nll).mean()))
+    elements = _kv_elements(model, n_ctx)
     rows = []
     for t in types:
         a = acc[t]
         kld = np.concatenate(a.kld)
         ppl = float(np.exp(np.concatenate(a.nll).mean()))
-        rows.append(
-            EvalRow(t, len(token_chunks), a.n, float(kld.mean()), float(kld.max()), ppl, ppl / ref_ppl, a.same / a.n)
-        )
+        bits = 8.0 * allocated[t][0] / elements if elements else None
+        rows.append(EvalRow(t, len(token_chunks), a.n, float(kld.mean()), float(kld.max()), ppl, ppl / ref_ppl,
+                            a.same / a.n, bits))  # fmt: skip
     return rows
+
+
+def _kv_elements(model: Path | str, n_ctx: int) -> int:
+    """K and V elements of n_ctx tokens in every layer (0 when the GGUF gives per-layer KV head counts)."""
+    from .info import model_info
+
+    mi = model_info(model)
+    if mi.n_head_kv is None:
+        return 0
+    return n_ctx * mi.n_layer * mi.n_head_kv * (mi.head_dim_k + mi.head_dim_v)
 
 
 def plot_eval(rows: Sequence[EvalRow], path: Path | str, title: str = "") -> None:
     """A bar chart per measure (mean KLD, perplexity ratio, top-1 agreement), one bar per cache type."""
     plt = import_pyplot()
-    names = [r.kv_type for r in rows]
+    names = [r.kv_type + ("" if r.bits_per_element is None else f"\n{r.bits_per_element:.2f} bits") for r in rows]
     panels = [
         ("mean KLD vs f16 (nats)", [r.mean_kld for r in rows]),
         ("perplexity / f16's", [r.ppl_ratio for r in rows]),

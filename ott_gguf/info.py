@@ -143,16 +143,18 @@ class KvBytes:
         return int((budget_bytes - self.fixed) / self.per_token) // CTX_STEP * CTX_STEP
 
 
-def _allocated_bytes(path: Path, kv_type: str, n_ctx: int, ott_config: OttConfig | None = None
-                     ) -> tuple[float, dict[str, float]]:  # fmt: skip
+def _allocated_bytes(path: Path, kv_type: str, n_ctx: int, ott_config: OttConfig | None = None,
+                     swa_full: bool | None = False) -> tuple[float, dict[str, float]]:  # fmt: skip
     """Bytes the cache of kv_type (a name or "K/V") allocates for n_ctx, and for the ott caches the bytes by
-    part."""
+    part. swa_full: False, window layers keep only their window, as llama.cpp's tools do by default; None,
+    llama-cpp-python's default (True: window layers as large as the others)."""
     from .llama import Llama
 
-    # small batches: the compute buffers are not what is measured and need not be large
-    # swa_full=False: window layers keep only their window, as llama.cpp's tools do by default
-    llm = Llama(str(path), kv_type=kv_type, ott_config=ott_config, n_ctx=n_ctx, n_batch=32, n_ubatch=32,
-                swa_full=False, verbose=False)  # fmt: skip
+    # the default batch of Llama and of llama.cpp's tools (512): a sliding-window model's window layers hold the
+    # window plus one ubatch, so a smaller batch would measure a smaller cache than the tools allocate
+    swa = {} if swa_full is None else {"swa_full": swa_full}
+    llm = Llama(str(path), kv_type=kv_type, ott_config=ott_config, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                verbose=False, **swa)  # fmt: skip
     try:
         parts: dict[str, float] = {}
         if is_ott_kv_type(kv_type):
@@ -166,9 +168,12 @@ def _allocated_bytes(path: Path, kv_type: str, n_ctx: int, ott_config: OttConfig
 
 def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
                      n_ctx: tuple[int, int] = MEASURE_CTX,
-                     tiers: dict[str, tuple[str, OttConfig]] | None = None) -> list[KvBytes]:  # fmt: skip
+                     tiers: dict[str, tuple[str, OttConfig]] | None = None,
+                     swa_full: bool | None = False) -> list[KvBytes]:  # fmt: skip
     """Bytes per token and fixed bytes of each type's cache, from contexts created at the two sizes n_ctx; an entry
-    of kv_types that `tiers` names is its K/V pair with its configuration, under that label."""
+    of kv_types that `tiers` names is its K/V pair with its configuration, under that label. swa_full: a
+    sliding-window model's window layers as llama.cpp's tools allocate them (False, the default: the window only)
+    or as ott_gguf.Llama does (None: llama-cpp-python's default, full size)."""
     path = Path(path)
     small, large = n_ctx
     if not 0 < small < large:
@@ -177,8 +182,8 @@ def measure_kv_bytes(path: str | Path, kv_types: Sequence[str] = INFO_KV_TYPES,
     out = []
     for t in (t if t in tiers else kv_pair_name(*resolve_kv_types(t)) for t in kv_types):
         pair, cfg = tiers.get(t, (t, None))
-        b_small, _ = _allocated_bytes(path, pair, small, cfg)
-        b_large, parts = _allocated_bytes(path, pair, large, cfg)
+        b_small, _ = _allocated_bytes(path, pair, small, cfg, swa_full)
+        b_large, parts = _allocated_bytes(path, pair, large, cfg, swa_full)
         slope = (b_large - b_small) / (large - small)
         out.append(KvBytes(t, slope, b_small - slope * small, ((small, b_small), (large, b_large)), parts))
     return out

@@ -5,20 +5,30 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import _lib
-from .kv_types import KV_TYPES, OTT_KV_TYPES, OttConfig, kv_pair_name, resolve_kv_type, resolve_kv_types
+from .kv_types import (
+    KV_TYPES,
+    OTT_KV_TYPES,
+    STOCK_KV_TYPES,
+    OttConfig,
+    kv_pair_name,
+    resolve_kv_type,
+    resolve_kv_types,
+)
 
 __all__ = ["KV_TYPES", "OTT_KV_TYPES", "Llama", "OttConfig", "resolve_kv_type", "resolve_kv_types"]
 
 _llama_cpp = _lib.llama_cpp_module()
 
-# types llama.cpp can only store with flash attention (quantized V rows)
-_NEEDS_FLASH_ATTN = frozenset(t for t in KV_TYPES if t not in ("f16", "bf16"))
+# stock types llama.cpp can only store with flash attention (quantized rows); the ott caches run their own
+# attention op with flash attention on or off (the same text either way: test_llama.py)
+_NEEDS_FLASH_ATTN = frozenset(t for t in STOCK_KV_TYPES if t not in ("f16", "bf16"))
 # A GGUF without a chat template gets llama-cpp-python's "llama-2" format, which other families answer with an
 # empty string: their own format by architecture, else a clear error when a chat is asked for.
 _CHAT_FORMAT_BY_ARCH = {"llama": "llama-2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
@@ -38,7 +48,10 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
     type_v (names, or ggml type ids as llama_cpp.Llama takes them) set one side each over it: type_k="ott3",
     type_v="ott2" keeps 3-bit keys and 2-bit values. Both sides must be ott* types or both kivi* types (kivi: the
     same cache without outlier tokens), in any widths; stock types mix freely.
-    Quantized cache types need flash attention, which is switched on for them (and by default for all).
+    kv_tier ("compact" or "quality", ott_gguf.tiers, docs/kv-tiers.md) chooses the pair and its configuration by
+    name instead, the quality tier with the model's calibration when one is found; it says what it chose in one
+    line on stderr (unless verbose=False) and in `kv_tier_line`. It excludes kv_type, type_k, type_v, ott_config.
+    Flash attention is on by default; the stock quantized types need it (the ott caches run either way).
     ott_config (OttConfig or dict: G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix) tunes the ott
     caches of this Llama only (other Llama objects, in this thread or another, keep theirs). After creation,
     `kv_type` is the pair's name ("ott3/ott2", or "ott2" when both sides agree), `kv_type_k`/`kv_type_v` the sides,
@@ -49,16 +62,33 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         self,
         model_path: str,
         *,
-        kv_type: str = "f16",
+        kv_type: str | None = None,
         type_k: str | int | None = None,
         type_v: str | int | None = None,
         ott_config: OttConfig | dict[str, Any] | None = None,
+        kv_tier: str | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - _STOCK_PARAMS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s): {', '.join(unknown)}")
-        k, v = resolve_kv_types(kv_type, type_k, type_v)
+        self.kv_tier, self.kv_tier_line = kv_tier, ""
+        if kv_tier is not None:
+            given = [n for n, x in (("kv_type", kv_type), ("type_k", type_k), ("type_v", type_v),
+                                    ("ott_config", ott_config)) if x is not None]  # fmt: skip
+            if given:
+                raise ValueError(f"kv_tier={kv_tier!r} chooses the K/V types and their configuration; "
+                                 f"{', '.join(given)} would override it: give kv_tier alone, or the explicit "
+                                 "options alone")  # fmt: skip
+            from .tiers import resolve_tier
+
+            if not Path(model_path).exists():
+                raise ValueError(f"Model path does not exist: {model_path}")
+            tier = resolve_tier(kv_tier, model_path)
+            kv_type, ott_config, self.kv_tier_line = tier.kv_type, tier.ott_config, tier.line
+            if kwargs.get("verbose", True):
+                print(tier.line, file=sys.stderr)
+        k, v = resolve_kv_types("f16" if kv_type is None else kv_type, type_k, type_v)
         name = kv_pair_name(k, v)
         what = f"kv_type={name!r}" if k == v else f"type_k={k!r}, type_v={v!r}"
         ott = k in OTT_KV_TYPES  # then v is one too (resolve_kv_types)
@@ -104,6 +134,14 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
                     **kwargs,
                 )
         except ValueError as e:
+            if str(e).startswith("Failed to load model from file"):
+                # llama-cpp-python hides llama.cpp's log (verbose=False) and keeps none of it: load the file's
+                # header again with the log captured, for the reason (not a GGUF, truncated, ...)
+                try:
+                    _lib.ott_model_problem(str(model_path))
+                except ValueError as why:
+                    raise ValueError(str(why)) from e
+                raise
             # llama-cpp-python says only "Failed to create llama_context": the cache says why
             reason = _lib.last_error() if ott else ""
             if reason:
@@ -179,13 +217,20 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
         return ctx
 
     def kv_cache_info(self) -> dict[str, object]:
-        """The K/V cache types (kv_type: the pair's name, type_k, type_v) and, for the ott caches: positions held
-        and sealed, bytes allocated by part (quantized groups, fp16 tail, pools, and a sliding-window model's f16
-        window layers), outlier and aux pool slots in use (summed over layers and KV heads), and the
+        """The K/V cache types (kv_type: the pair's name, type_k, type_v), the tier when one chose them, and the
+        bytes the cache allocated (total_bytes, and bytes by part) for every cache type; for the ott caches the
+        parts are quantized groups, fp16 tail, pools and a sliding-window model's f16 window layers, and they add
+        positions held and sealed, outlier and aux pool slots in use (summed over layers and KV heads), and the
         configuration."""
         ctx = self._live_ctx()
         info: dict[str, object] = {"kv_type": self.kv_type, "type_k": self.kv_type_k, "type_v": self.kv_type_v}
-        if self.ott_config is not None:
+        if self.kv_tier is not None:
+            info["kv_tier"] = self.kv_tier
+        if self.ott_config is None:
+            # the memory module's own account (llama_ott_kv_cache_bytes works for every cache type)
+            total = _lib.kv_cache_bytes(ctx)
+            info.update(bytes={"K and V": total}, total_bytes=total)
+        else:
             c = _lib.ott_cache_info(ctx)
             if c is None:
                 raise RuntimeError("this context has no ott cache")
@@ -209,24 +254,42 @@ class Llama(_llama_cpp.Llama):  # type: ignore[misc, name-defined]
             tokens = prefix + list(tokens)
         super().eval(tokens)
 
+    def save_state(self) -> Any:
+        """The stock method; the state also names the K/V types it was saved from (load_state checks them)."""
+        state = super().save_state()
+        state.ott_kv_type = self.kv_type
+        return state
+
     def load_state(self, state: Any) -> None:
         """The stock method, but a refused state loses nothing: llama.cpp may have overwritten the logits and
         cleared the cache, and the stock method the token history, before the refusal; all of it is put back, so
         generation goes on as if no load had been tried. An ott cache's refusal raises ValueError with its reason."""
         lc = _llama_cpp.llama_cpp
         ctx = self._live_ctx()
+        saved = getattr(state, "ott_kv_type", None)
+        both_ott = saved is not None and resolve_kv_types(saved)[0] in OTT_KV_TYPES and self.ott_config is not None
+        # between two ott caches the cache's own check names the field that differs (K bits=3, ...)
+        if saved is not None and saved != self.kv_type and not both_ott:
+            raise ValueError(f"this saved state holds a {saved} cache; this Llama's cache is {self.kv_type}: load "
+                             f"it into a Llama with the types it was saved from (kv_type={saved!r})")  # fmt: skip
         size = int(state.llama_state_size)
         data = (ctypes.c_uint8 * size).from_buffer_copy(state.llama_state)
         before = (ctypes.c_uint8 * lc.llama_state_get_size(ctx))()
         n_before = lc.llama_state_get_data(ctx, before, len(before))
-        if lc.llama_state_set_data(ctx, data, size) != size:
+        from .info import captured_log
+
+        with captured_log() as log:
+            loaded = lc.llama_state_set_data(ctx, data, size)
+        if loaded != size:
             reason = _lib.last_error() if self.ott_config is not None else ""
             if lc.llama_state_set_data(ctx, before, n_before) != n_before:
                 raise RuntimeError("a refused state load could not restore the context's own state")
             if self.ott_config is not None:
                 reason = reason or "llama.cpp refused it before the K/V cache part (another model?)"
                 raise ValueError(f"this saved state cannot be loaded into a {self.kv_type} cache: {reason}")
-            raise RuntimeError("Failed to set llama state data")
+            said = [ln.strip().split("error loading state: ", 1)[1] for ln in log if "error loading state: " in ln]
+            raise RuntimeError("Failed to set llama state data" + (f": llama.cpp says {said[0]} (a state saved from "
+                               "another model, or from other K/V cache types?)" if said else ""))  # fmt: skip
         # the stock method's Python part (its native part has just run, once)
         self.scores[: state.n_tokens, :] = state.scores.copy()
         rest = self.scores[state.n_tokens :, :]

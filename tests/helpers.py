@@ -256,7 +256,11 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int | st
 
 
 def is_kv_type(cell: str) -> bool:
-    """A type name or a K/V pair of them (ott3/ott2)."""
+    """A type name, a K/V pair of them (ott3/ott2) or a tier (quality)."""
+    from ott_gguf.tiers import KV_TIERS
+
+    if cell in KV_TIERS:
+        return True
     try:
         resolve_kv_types(cell)
     except ValueError:

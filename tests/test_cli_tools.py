@@ -84,13 +84,33 @@ def test_kv_bytes_agree_with_the_layouts(smollm2: Path) -> None:
 
 
 def test_info_on_gemma3_reports_what_the_build_says(gemma3: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma 3's window layers: ott_gguf.Llama (llama-cpp-python's swa_full) keeps them full size, llama.cpp's tools
+    keep the window; info's table is the former, its 'serve' column the latter, both as allocated."""
+    from ott_gguf import Llama
+
     problem = _lib.ott_model_problem(str(gemma3))
     code, out, err = run_cli(capsys, "info", gemma3)
     assert code == 0, err
     assert "architecture: gemma3" in out
     rows = table(out)
-    assert rows["f16"]["formula"] == "-"  # window layers: the slope is the full-attention layers' only
-    assert 0 < float(rows["f16"]["bytes/token"]) < 18 * 1 * 512 * 2  # below all 18 layers caching every token
+    assert rows["f16"]["formula"] == "-"  # window layers: which layers is the architecture's
+    # ott_gguf.Llama's allocation: llama-cpp-python keeps the window layers full size (swa_full), so all 18 layers
+    # cache every token; llama.cpp's tools (the serve column) keep only the window there
+    assert float(rows["f16"]["bytes/token"]) == pytest.approx(18 * 1 * 512 * 2, abs=2)
+    assert "window layers as large as the others" in " ".join(out.split())
+    # the table is what Llama allocates (Python, chat, generate), the serve column what llama-server does
+    n_ctx = 4096
+    for t, swa_full, column in [("f16", None, f"MiB @ {n_ctx}"), ("f16", False, f"MiB @ {n_ctx} serve"),
+                                ("ott2", None, f"MiB @ {n_ctx}")]:  # fmt: skip
+        if t == "ott2" and problem:
+            continue
+        llm = Llama(
+            str(gemma3), kv_type=t, n_ctx=n_ctx, verbose=False, **({} if swa_full is None else {"swa_full": swa_full})
+        )
+        allocated = int(llm.kv_cache_info()["total_bytes"])  # type: ignore[call-overload]
+        llm.close()
+        assert float(rows[t][column]) == pytest.approx(allocated / MIB, abs=0.01), (t, column, rows[t])
+    assert float(rows["f16"][f"MiB @ {n_ctx} serve"]) < float(rows["f16"][f"MiB @ {n_ctx}"]) / 2
     if problem:
         assert f"ott2: not supported: {problem}" in out
         assert rows["ott2"]["max n_ctx in 1024 MiB"] == "not supported"
@@ -361,3 +381,62 @@ def test_serve_refuses_a_busy_port_before_any_banner(smollm2: Path, monkeypatch:
         port = busy.getsockname()[1]
         code, out, err = run_cli(capsys, "serve", smollm2, "--port", port)
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in out, (out, err)
+
+
+# --- what the tools tell a newcomer (issue 49, deliverable 3) --------------------------------------------------
+
+
+def test_eval_defaults_to_2048_tokens_and_prints_bits_per_element(
+    smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At 512 tokens most positions stay in ott2's fp16 window; the default chunk is 2048 (a short text gives one
+    shorter chunk, cheap here), and each type's row says the bits per element its cache took."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 15)
+    code, out, err = run_cli(capsys, "eval", smollm2, "--text", text, "--chunks", 1, "--threads", THREADS,
+                             "--ubatch", 64, "--kv-types", "q4_0,ott2")  # fmt: skip
+    assert code == 0, err
+    assert "chunk(s) of up to 2048" in out
+    rows = table(out)
+    bits = {t: float(r["bits/elem @ 2048"]) for t, r in rows.items()}
+    assert bits["q4_0"] == pytest.approx(4.5, abs=0.01)  # 18 bytes per block of 32
+    assert 2.5 < bits["ott2"] < 4.5  # 2-bit codes, their scales, the fp16 window and pools at 2048 tokens
+
+
+def test_bench_warns_on_one_round(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "bench", smollm2, "-p", 0, "-n", 4, "--depths", 0, "-r", 1,
+                             "--threads", THREADS, "--kv-types", "f16")  # fmt: skip
+    assert code == 0, err
+    assert "warning: one round: no spread" in err
+
+
+def test_bench_warns_on_a_wide_spread_and_the_plot_says_the_rounds(
+    smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rows' rounds are given (a busy machine cannot be ordered up): the warning and the plot's title follow
+    from them."""
+    from ott_gguf import bench as bench_mod
+
+    rows = [bench_mod.BenchRow("f16", "tg", 4, 0, 10.0, 1.0, (8.0, 10.0, 10.5)),  # spread 25%
+            bench_mod.BenchRow("ott2", "tg", 4, 0, 10.0, 0.1, (9.9, 10.0, 10.1))]  # fmt: skip
+    titles: list[str] = []
+    monkeypatch.setattr(bench_mod, "bench", lambda *a, **k: rows)
+    monkeypatch.setattr(bench_mod, "plot_bench", lambda rows, path, per_token, title: titles.append(title))
+    code, out, err = run_cli(capsys, "bench", smollm2, "--kv-types", "f16,ott2", "-r", 3, "--plot", tmp_path / "b.png")
+    assert code == 0, err
+    assert "warning: the rounds differ by more than 20% of the median for f16 tg4 @ 0 (25%)" in err
+    assert "ott2 tg4" not in err and "one round" not in err
+    assert titles and "median of 3 round(s)" in titles[0]
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_kv_cache_info_gives_bytes_for_stock_types(smollm2: Path, kv_type: str) -> None:
+    from ott_gguf import Llama
+
+    mi = info.model_info(smollm2)
+    llm = Llama(str(smollm2), kv_type=kv_type, n_ctx=1024, verbose=False)
+    got = llm.kv_cache_info()
+    formula = info.formula_bytes_per_token(mi, kv_type)
+    assert formula is not None and got["total_bytes"] == pytest.approx(1024 * formula, abs=2)
+    assert got["bytes"] == {"K and V": got["total_bytes"]}
+    llm.close()

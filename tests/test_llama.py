@@ -259,3 +259,54 @@ def test_kv_cache_info_after_close_says_closed(smollm2: Path) -> None:
     llm.close()
     with pytest.raises(RuntimeError, match="this Llama is closed"):
         llm.kv_cache_info()
+
+
+# --- errors that keep their reason (issue 49, deliverable 4) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "ott2"])
+def test_a_model_that_cannot_load_says_why(smollm2: Path, tmp_path: Path, kv_type: str) -> None:
+    with pytest.raises(ValueError, match="Model path does not exist"):
+        Llama(str(tmp_path / "missing.gguf"), kv_type=kv_type, verbose=False)
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, not a model\n")
+    with pytest.raises(ValueError, match=r"notes.gguf: invalid magic characters: 'hell', expected 'GGUF'"):
+        Llama(str(text), kv_type=kv_type, verbose=False)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2.read_bytes()[: 3 << 20])  # the header and a few tensors: a download cut short
+    with pytest.raises(ValueError, match=r"cut.gguf: tensor '.*' data is not within the file bounds"):
+        Llama(str(cut), kv_type=kv_type, verbose=False)
+
+
+def test_ott_caches_run_without_flash_attention(smollm2: Path) -> None:
+    """flash_attn=False is refused only where llama.cpp needs flash attention (stock quantized rows); the ott
+    caches run their own attention op and give the same text either way."""
+    on = Llama(str(smollm2), kv_type="ott2", n_ctx=256, n_threads=1, verbose=False)
+    off = Llama(str(smollm2), kv_type="ott2", n_ctx=256, n_threads=1, flash_attn=False, verbose=False)
+    assert off.context_params.flash_attn_type == 0
+    assert greedy(off, n=12) == greedy(on, n=12)
+
+
+@pytest.mark.parametrize(("saved", "into"), [("ott2", "f16"), ("f16", "ott2"), ("f16", "q8_0")])
+def test_a_state_of_one_cache_type_loaded_into_another_names_both(smollm2: Path, saved: str, into: str) -> None:
+    src = Llama(str(smollm2), kv_type=saved, n_ctx=256, n_threads=1, verbose=False)
+    src.eval(src.tokenize(b"The three primary colors are red, yellow and blue."))
+    state = src.save_state()
+    dst = Llama(str(smollm2), kv_type=into, n_ctx=256, n_threads=1, verbose=False)
+    want = greedy(dst, n=6)
+    with pytest.raises(ValueError, match=f"this saved state holds a {saved} cache; this Llama's cache is {into}"):
+        dst.load_state(state)
+    assert greedy(dst, n=6) == want  # nothing was lost
+
+
+def test_a_refused_stock_state_says_what_llama_cpp_said(smollm2: Path, gemma3: Path) -> None:
+    """A state without the types' names (e.g. saved by llama_cpp.Llama) refused by a stock cache: llama.cpp's
+    reason, not only "Failed to set llama state data"."""
+    import llama_cpp
+
+    src = llama_cpp.Llama(str(gemma3), n_ctx=256, n_threads=1, verbose=False)
+    src.eval(src.tokenize(b"Hello"))
+    state = src.save_state()
+    dst = Llama(str(smollm2), kv_type="f16", n_ctx=256, n_threads=1, verbose=False)
+    with pytest.raises(RuntimeError, match=r"Failed to set llama state data: llama.cpp says \S+"):
+        dst.load_state(state)

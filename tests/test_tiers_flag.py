@@ -1,0 +1,139 @@
+"""--kv-tier / Llama(kv_tier=...) and the calibration files the quality tier reads (issue 49, deliverables 1-2)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ott_gguf import Llama, tiers
+from ott_gguf.models import MODELS
+
+from helpers import THREADS, run_cli
+
+# the widths of the calibrations shipped in the package (docs/tiers.md, the quality tier)
+SHIPPED = {"smollm2-135m": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2", "gemma3-270m": "11:3/3,17:2/2"}
+
+
+@pytest.fixture
+def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty user cache (calibrations and the sha256 index), so that the machine's own cache does not count."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("OTT_GGUF_CACHE", str(cache))
+    return cache
+
+
+def test_shipped_calibrations_are_installed_and_valid() -> None:
+    for name, widths in SHIPPED.items():
+        cal = tiers.read_calibration(tiers.PACKAGE_CALIBRATIONS / f"{MODELS[name].sha256}.json")
+        assert cal.data["model_sha256"] == MODELS[name].sha256 and cal.data["model_file"] == MODELS[name].filename
+        assert (cal.kv_type, cal.ott_params, cal.layer_widths) == (tiers.QUALITY_KV_TYPE, tiers.QUALITY_PARAMS, widths)
+        assert cal.data["calibration"]["command"].startswith("ott-gguf calibrate ")
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_generate_with_the_quality_tier_uses_the_shipped_calibration(
+    name: str, user_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "generate", name, "What is the capital of France?", "--kv-tier", "quality",
+                             "-t", THREADS, "-n", 8)  # fmt: skip
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("kv tier ")]
+    assert len(lines) == 1, err  # said in one line
+    assert f"ott3/ott2 --ott-params 128,64,3,32,2,1,1,1 --ott-layers {SHIPPED[name]}, calibrated (shipped" in lines[0]
+    assert "kv_tier=quality, kv_type=ott3/ott2" in err and out.strip()
+    # the digest was computed once and kept by path, size and mtime
+    index = json.loads((user_cache / "sha256.json").read_text())
+    assert MODELS[name].sha256 in index.values()
+
+
+def test_llama_kv_tier_runs_the_tiers_configuration(smollm2: Path, user_cache: Path) -> None:
+    q = Llama(str(smollm2), kv_tier="quality", n_ctx=256, n_threads=1, verbose=False)
+    assert (q.kv_type, q.kv_tier) == ("ott3/ott2", "quality")
+    cfg = q.ott_config  # read back from the native cache
+    assert cfg is not None and cfg.R == 64 and cfg.v_sym and cfg.k_mix and cfg.layer_widths == SHIPPED["smollm2-135m"]
+    assert q.kv_cache_info()["kv_tier"] == "quality" and "calibrated (shipped with ott-gguf" in q.kv_tier_line
+    q.close()
+    c = Llama(str(smollm2), kv_tier="compact", n_ctx=256, n_threads=1, verbose=False)
+    assert c.kv_type == "ott2" and c.ott_config is not None and c.ott_config.R == 32 and not c.ott_config.layer_widths
+    c.close()
+
+
+@pytest.mark.parametrize("extra", [{"kv_type": "ott2"}, {"type_k": "ott3"}, {"ott_config": {"R": 64}}])
+def test_a_tier_with_explicit_options_is_an_error(smollm2: Path, extra: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=f"kv_tier='quality' chooses .*{next(iter(extra))} would override it"):
+        Llama(str(smollm2), kv_tier="quality", verbose=False, **extra)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown kv_tier 'max'; valid choices: compact, quality"):
+        Llama(str(smollm2), kv_tier="max", verbose=False)
+
+
+@pytest.mark.parametrize("argv", [["--kv-type", "ott2"], ["-ctk", "ott3"], ["--ott-params", "128,64,3,32,2"],
+                                  ["--ott-layers", "0:3/3"]])  # fmt: skip
+def test_the_cli_refuses_a_tier_with_explicit_options(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "generate", "smollm2-135m", "hi", "--kv-tier", "quality", *argv)
+    assert code == 2 and f"--kv-tier quality chooses the K/V types and their parameters; {argv[0]} would" in err
+
+
+def test_lookup_order_next_to_the_model_then_cache_then_package(smollm2: Path, tmp_path: Path,
+                                                                user_cache: Path) -> None:  # fmt: skip
+    model = tmp_path / "m.gguf"
+    model.symlink_to(smollm2)  # the same content: the same sha256
+    sha = MODELS["smollm2-135m"].sha256
+
+    def record(widths: str, for_sha: str = sha) -> dict[str, object]:
+        return {"model_sha256": for_sha, "model_file": "m.gguf", "kv_type": "ott3/ott2",
+                "ott_params": tiers.QUALITY_PARAMS, "layer_widths": widths}  # fmt: skip
+
+    assert tiers.resolve_tier("quality", model).ott_config.layer_widths == SHIPPED["smollm2-135m"]  # type: ignore[union-attr]
+    tiers.write_calibration(user_cache / "calibrations" / f"{sha}.json", record("0-29:2/2"))
+    t = tiers.resolve_tier("quality", model)
+    assert t.ott_config is not None and t.ott_config.layer_widths == "0-29:2/2" and "from the user cache" in t.line
+    side = Path(str(model) + tiers.SIDE_SUFFIX)
+    tiers.write_calibration(side, record("0-4:3/3"))
+    t = tiers.resolve_tier("quality", model)
+    assert t.ott_config is not None and t.ott_config.layer_widths == "0-4:3/3" and "next to the model" in t.line
+    # a file next to the model made for another GGUF is passed over, and said so in the same line
+    tiers.write_calibration(side, record("0-4:3/3", for_sha="0" * 64))
+    t = tiers.resolve_tier("quality", model)
+    assert t.ott_config is not None and t.ott_config.layer_widths == "0-29:2/2"
+    assert "was made for another file" in t.line and "\n" not in t.line
+    side.write_text('{"layer_widths": "0:3/3"}')
+    with pytest.raises(ValueError, match="not an ott-gguf-calibration file"):
+        tiers.resolve_tier("quality", model)
+
+
+def test_uncalibrated_model_gets_the_recipe_and_says_so(smollm2: Path, tmp_path: Path, user_cache: Path) -> None:
+    model = tmp_path / "copy.gguf"
+    model.write_bytes(smollm2.read_bytes()[:-1] + b"\0")  # another file (the last byte is tensor padding)
+    t = tiers.resolve_tier("quality", model)
+    assert t.kv_type == "ott3/ott2" and t.ott_config is not None and t.ott_config.layer_widths == ""
+    assert t.ott_config.R == 64 and t.ott_config.v_sym
+    assert re.search(r"uncalibrated \(no calibration of copy.gguf found; `ott-gguf calibrate .*` makes one\)", t.line)
+
+
+def test_calibrate_writes_a_file_the_tier_reads(smollm2: Path, tmp_path: Path, user_cache: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A real, small calibration (one block, one 256-token chunk): progress with the time left, the documented
+    file, found next to the model by --kv-tier quality."""
+    model = tmp_path / "m.gguf"
+    model.symlink_to(smollm2)
+    out = Path(str(model) + tiers.SIDE_SUFFIX)
+    code, stdout, err = run_cli(capsys, "calibrate", model, "--blocks", 1, "--chunks", 1, "--n-ctx", 256,
+                                "--threads", THREADS, "--out", out)  # fmt: skip
+    assert code == 0, err
+    assert re.search(r"\[1/5, \d+s spent, about \d+(m\d\ds|s) left\] f16 reference logits", err), err
+    assert re.search(r"\[3/5, .* left\] layers 0-29 at 3/3: mean KLD", err), err
+    assert f"calibration written to {out}" in stdout
+    cal = tiers.read_calibration(out)
+    d = cal.data
+    assert d["model_sha256"] == MODELS["smollm2-135m"].sha256 and d["model_file"] == "m.gguf"
+    assert (cal.kv_type, cal.ott_params) == ("ott3/ott2", tiers.QUALITY_PARAMS)  # the tier's, by default
+    assert d["calibration"]["command"].startswith("ott-gguf calibrate ") and d["calibration"]["n_ctx"] == 256
+    assert d["calibration"]["blocks"] == [[0, 29]] and re.match(r"\d{4}-\d\d-\d\dT", d["calibration"]["date"])
+    assert 3.0 < d["bits_per_element"]["base_pair"] < 3.4  # ott3/ott2 with R 64 and symmetric values at 8k
+    assert cal.layer_widths in ("", "0-29:3/3", "0-29:2/2")
+    t = tiers.resolve_tier("quality", model)
+    assert "next to the model" in t.line and t.ott_config is not None
+    assert t.ott_config.layer_widths == cal.layer_widths
