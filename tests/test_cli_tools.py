@@ -394,13 +394,15 @@ def test_eval_defaults_to_2048_tokens_and_prints_bits_per_element(
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 15)
     code, out, err = run_cli(capsys, "eval", smollm2, "--text", text, "--chunks", 1, "--threads", THREADS,
-                             "--ubatch", 64, "--kv-types", "q4_0,ott2")  # fmt: skip
+                             "--ubatch", 64, "--kv-types", "q4_0,compact,quality")  # fmt: skip
     assert code == 0, err
     assert "chunk(s) of up to 2048" in out
     rows = table(out)
     bits = {t: float(r["bits/elem @ 2048"]) for t, r in rows.items()}
     assert bits["q4_0"] == pytest.approx(4.5, abs=0.01)  # 18 bytes per block of 32
-    assert 2.5 < bits["ott2"] < 4.5  # 2-bit codes, their scales, the fp16 window and pools at 2048 tokens
+    assert 2.5 < bits["compact"] < 4.5  # ott2: 2-bit codes, their scales, the fp16 window and pools at 2048 tokens
+    assert bits["compact"] < bits["quality"] < 5  # 3-bit keys, a 64-token window (docs/tiers.md: 4.40 at 2k)
+    assert "kv tier quality: ott3/ott2" in err and float(rows["quality"]["mean KLD"]) > 0
 
 
 def test_bench_warns_on_one_round(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:

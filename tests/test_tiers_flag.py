@@ -137,3 +137,23 @@ def test_calibrate_writes_a_file_the_tier_reads(smollm2: Path, tmp_path: Path, u
     t = tiers.resolve_tier("quality", model)
     assert "next to the model" in t.line and t.ott_config is not None
     assert t.ott_config.layer_widths == cal.layer_widths
+
+
+def test_serve_passes_the_tier_to_llama_server(smollm2: Path, user_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    import os
+
+    class Exec(Exception):
+        pass
+
+    def fake_execv(path: str, cmd: list[str]) -> None:  # the command llama-server would run, not run
+        raise Exec(cmd)
+
+    monkeypatch.setattr(os, "execv", fake_execv)
+    with pytest.raises(Exec) as got:
+        run_cli(capsys, "serve", smollm2, "--kv-tier", "quality", "--port", 0)
+    cmd = got.value.args[0]
+    assert cmd[cmd.index("-ctk") + 1] == "ott3" and cmd[cmd.index("-ctv") + 1] == "ott2"
+    assert cmd[cmd.index("--ott-params") + 1] == tiers.QUALITY_PARAMS
+    assert cmd[cmd.index("--ott-layers") + 1] == SHIPPED["smollm2-135m"]
+    assert "kv tier quality: " in capsys.readouterr().err
