@@ -56,11 +56,16 @@ lint: $(BIN)/python
 	$(BIN)/ruff check ott_gguf study tests gen models native
 	$(BIN)/ruff format --check ott_gguf study tests gen models native
 
+# TEST_WORKERS=N runs the test files in N processes (pytest-xdist, a file per process at a time: a module's model
+# is loaded once); 1 runs them in this one (docs/testing.md)
+TEST_WORKERS ?= 1
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+
 test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \
-	  $(LCP_SERVER) "openai>=1.0" "gguf>=0.17"
+	  $(LCP_SERVER) "openai>=1.0" "gguf>=0.17" "pytest-xdist>=3.5"
 	$(BIN)/ott-gguf models
-	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
+	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(XDIST) $(PYTEST_ARGS)
 
 # every case of the test matrix (docs/testing.md): `make test` runs one case per kind, rotating with the commit
 test-all:

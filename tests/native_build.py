@@ -8,6 +8,7 @@ default nor installed (CMakeLists.txt, section 5). The first request builds them
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from functools import cache
@@ -41,7 +42,10 @@ def _cmake(bdir: Path) -> str:
 @cache
 def build_test_libs() -> Path:
     bdir = build_dir()
-    res = subprocess.run([_cmake(bdir), "--build", str(bdir), "--target", TARGET], capture_output=True, text=True)
+    # the test processes (make test runs two) build in the same tree: one ninja at a time
+    with open(bdir / ".ott-test-libs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        res = subprocess.run([_cmake(bdir), "--build", str(bdir), "--target", TARGET], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"building {TARGET} in {bdir} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
     return bdir
