@@ -3,7 +3,8 @@
 Two builds of the same template: the CPU emulation (C++, blocks and threads as loops; runs everywhere) and the
 CUDA rendering with its test entry points (needs nvcc to build and a GPU to run). Both take one layer's tensors
 as numpy arrays in the cache's layouts; `LayerState` holds them and runs the ops as the graph does: attention
-(partials, then merge), then the seal.
+(partials, then merge), then the seal; or, as ggml-cuda runs a layer whose seal follows its merge, the partials,
+then the merge and the seal in one launch (`fused`).
 """
 
 from __future__ import annotations
@@ -60,16 +61,20 @@ class OpsLib:
         self.ffi.cdef(CDEF)
         for t in tags:
             if kind == "emu":
-                self.ffi.cdef(f"void ott2_emu_{t}_attn(const ott_cu_args *, void *);")
-                self.ffi.cdef(f"void ott2_emu_{t}_seal(const ott_cu_args *, void *);")
+                for op in ("attn", "seal", "attn_part", "attn_merge_seal"):
+                    self.ffi.cdef(f"void ott2_emu_{t}_{op}(const ott_cu_args *, void *);")
             else:
-                self.ffi.cdef(f"int ott2_cudatest_{t}_attn(const ott_cu_args *);")
-                self.ffi.cdef(f"int ott2_cudatest_{t}_seal(const ott_cu_args *);")
+                for op in ("attn", "seal", "attn_seal"):
+                    self.ffi.cdef(f"int ott2_cudatest_{t}_{op}(const ott_cu_args *);")
         self.lib: Any = self.ffi.dlopen(str(path))
         self.kind = kind
 
     def run(self, tag: str, op: str, args: Any) -> None:
+        """op: "attn" (partials, merge), "seal", or "attn_seal" (partials, then merge and seal in one launch)."""
         if self.kind == "emu":
+            if op == "attn_seal":
+                getattr(self.lib, f"ott2_emu_{tag}_attn_part")(args, self.ffi.NULL)
+                op = "attn_merge_seal"
             getattr(self.lib, f"ott2_emu_{tag}_{op}")(args, self.ffi.NULL)
         else:
             rc = getattr(self.lib, f"ott2_cudatest_{tag}_{op}")(args)
@@ -159,9 +164,10 @@ class LayerState:
         return a
 
     def step(self, lib: OpsLib, tag: str, streams: list[int], q: np.ndarray, k: np.ndarray, v: np.ndarray,
-             NS: int) -> np.ndarray:  # fmt: skip
+             NS: int, fused: bool = False) -> np.ndarray:  # fmt: skip
         """One ubatch: n_tok tokens for each stream in `streams` (q (ns, n_tok, n_head, D), k and v
-        (ns, n_tok, H, D)); returns the attention output (ns, n_tok, n_head, D)."""
+        (ns, n_tok, H, D)); returns the attention output (ns, n_tok, n_head, D). fused: the merge and the seal in
+        one launch."""
         ns, n_tok = q.shape[0], q.shape[1]
         plan = np.array([[s, self.n_pos[s], self.n_sealed[s], max(self.n_sealed[s], self.sealed_after(
             self.n_pos[s] + n_tok))] for s in streams], np.int32)  # fmt: skip
@@ -175,10 +181,13 @@ class LayerState:
         out = np.full((ns, n_tok, self.n_head, self.D), np.nan, np.float32)
         a.part = lib.ffi.cast("float *", lib.ffi.from_buffer(part))
         a.out = lib.ffi.cast("float *", lib.ffi.from_buffer(out))
-        lib.run(tag, "attn", a)
         scratch = np.zeros(ns * self.H * 2 * self.cfg.G * self.D, np.uint16)
         a.scratch = lib.ffi.cast("uint16_t *", lib.ffi.from_buffer(scratch))
-        lib.run(tag, "seal", a)
+        if fused:
+            lib.run(tag, "attn_seal", a)
+        else:
+            lib.run(tag, "attn", a)
+            lib.run(tag, "seal", a)
         for row in plan:
             self.n_pos[row[0]] += n_tok
             self.n_sealed[row[0]] = int(row[3])

@@ -16,10 +16,13 @@ from helpers import ROOT, require_tool
 BENCH_ARCHS = ["90"]
 # the head configs ott-bench.cu includes (its cfgs: ott2, the quality tier) and the ops it times
 BENCH_TAGS = ["k2v2g128x64", "k3mv2sg128x64"]
-# (the attention partials: one kernel per channels-per-lane count, attn_part_vec<CPL>, picked by D)
-KERNELS = ["attn_part_vec<2>", "attn_part_vec<4>", "attn_part_vec<8>", "attn_part_vec<16>", "attn_merge", "seal"]
+# (the attention partials: one kernel per channels-per-lane count, attn_part_vec<CPL>, picked by D; the merge and the
+# seal in one launch, attn_merge_seal)
+KERNELS = ["attn_part_vec<2>", "attn_part_vec<4>", "attn_part_vec<8>", "attn_part_vec<16>", "attn_merge", "seal",
+           "attn_merge_seal"]  # fmt: skip
 
-ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:ILi(\d+)EEv)?\d+ott_cu_args' for '(sm_\d+)'")
+# (the fused kernel's second parameter, int64_t n_merge, mangles as a trailing l)
+ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:ILi(\d+)EEv)?\d+ott_cu_argsl?' for '(sm_\d+)'")
 STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")
 
@@ -71,14 +74,17 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups, ring 128 tokens" in res.stdout
     assert "n_ctx 33024, NG 257, NS 32 (SG 9), sealed 255 groups, ring 128 tokens" in res.stdout
-    grids = re.findall(r"^ott2 +smol +(\d+) (attn_part|attn_merge|seal) +(\d+) ", res.stdout, re.M)
+    grids = re.findall(r"^ott2 +smol +(\d+) (attn_part|attn_merge|seal|merge_seal) +(\d+) ", res.stdout, re.M)
     assert grids == [("4096", "attn_part", "36"), ("4096", "attn_merge", "9"), ("4096", "seal", "3"),
-                     ("32768", "attn_part", "105"), ("32768", "attn_merge", "9"), ("32768", "seal", "3")]  # fmt: skip
+                     ("4096", "merge_seal", "12"), ("32768", "attn_part", "105"), ("32768", "attn_merge", "9"),
+                     ("32768", "seal", "3"), ("32768", "merge_seal", "12")]  # fmt: skip
     bad = subprocess.run([str(exe), "gpt2"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "usage" in bad.stderr
 
-    # the random state and the checks of a GPU run (finite attention output, a sealing event with a competition),
-    # through the kernels' CPU emulation, at depth 4096 (both shapes, both configs)
+    # the random state and the checks of a GPU run (finite attention output, the fused launch's the same bits, a
+    # sealing event with a competition by the seal and by the fused launch, the same group bytes), through the
+    # kernels' CPU emulation, at depth 4096 (both shapes, both configs)
     res = subprocess.run([str(exe), "--emu", "all", "4096"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("emulated: attention output finite, sealing event with a competition") == 4
+    done = "emulated: attention output finite, the fused launch's the same; sealing event with a competition"
+    assert res.stdout.count(done) == 4

@@ -83,7 +83,9 @@ def case_id(c: tuple) -> str:
 SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 
-def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> list[ref.OttCache]:
+def run_scenario(lib: OpsLib, case: tuple, seed: int = 0, fused: bool = False) -> list[ref.OttCache]:
+    """SCHEDULE's ubatches through the ops (fused: the merge and the seal in one launch, as ggml-cuda runs them),
+    attention and the whole state checked against the reference after each."""
     head, D, H, n_head, outlier_num, aux_cap, v_rotate = case
     tag = head_tag(*head)
     cfg = head_config(head, outlier_num, aux_cap, v_rotate)
@@ -105,7 +107,7 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0) -> list[ref.OttCache]:
         v = np.stack([kv[s][1][start : start + n] for s in range(n_stream)])
         # slices as the cache picks them: 8 (CPU) or many (GPU, most of them empty early on) when decoding
         ns_decode = 8 if start % 2 else 64
-        got = st.step(lib, tag, list(range(n_stream)), q, k, v, NS=ns_decode if n <= 4 else 1 + start % 3)
+        got = st.step(lib, tag, list(range(n_stream)), q, k, v, NS=ns_decode if n <= 4 else 1 + start % 3, fused=fused)
         for s in range(n_stream):
             want = caches[s].process_ubatch(0, 0, q[s], k[s], v[s], np.arange(start, start + n), scale, int8_query=True)
             assert want is not None
@@ -169,6 +171,38 @@ def test_emulated_cuda_ops_match_reference(emu: OpsLib, case: tuple) -> None:
     run_scenario(emu, case)
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_emulated_fused_merge_and_seal_match_reference(emu: OpsLib, case: tuple) -> None:
+    """The merge and the seal in one launch (what ggml-cuda runs when a layer's seal follows its merge), its
+    blocks emulated last first, so every seal block runs before the merge blocks: the same attention and the
+    same state, bit for bit, as the reference."""
+    run_scenario(emu, case, fused=True)
+
+
+def test_fused_launch_gives_the_unfused_bits(emu: OpsLib) -> None:
+    """Two copies of a layer, one run with the merge and the seal as two launches and one with them fused: the
+    attention outputs and every state tensor equal bit for bit after each ubatch (the merge's summation order
+    is unchanged, so batch invariance carries over)."""
+    head, D, H, n_head, outlier_num, aux_cap, v_rotate = CASES[0]
+    cfg = head_config(head, outlier_num, aux_cap, v_rotate)
+    tag = head_tag(*head)
+    rng = np.random.default_rng(5)
+    n_stream, n_total = 2, sum(SCHEDULE)
+    two = [LayerState(cfg, outlier_num, D, H, n_head, n_stream, n_ctx=n_total + 8) for _ in range(2)]
+    kv = rng.standard_normal((2, n_stream, n_total, H, D)).astype(np.float32)
+    start = 0
+    for n in SCHEDULE:
+        q = (rng.standard_normal((n_stream, n, n_head, D)) * 0.5).astype(np.float32)
+        k, v = kv[0, :, start : start + n], kv[1, :, start : start + n]
+        NS = 8 if n <= 4 else 2
+        outs = [two[f].step(emu, tag, list(range(n_stream)), q, k, v, NS=NS, fused=bool(f)) for f in (0, 1)]
+        np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32), err_msg=f"output at {start}")
+        for name, arr in two[0].arrays.items():
+            np.testing.assert_array_equal(arr, two[1].arrays[name], err_msg=f"{name} at {start}")
+        start += n
+    assert two[1].n_sealed[0] >= 4 and int(two[1].arrays["pmeta"][0, 0, 2 * two[1].S]) == outlier_num
+
+
 def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCache, cfg: ref.OttConfig,
                         rng: np.random.Generator, k: np.ndarray, v: np.ndarray, n_head: int) -> None:  # fmt: skip
     """Stream 0, head 0: all but 3 tokens as one ubatch, then 1 and 2 (decode with 8 slices); attention and the
@@ -188,12 +222,13 @@ def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCac
         check_state(st, cache.state(0, 0, 0), cfg, 0, 0)
 
 
-def test_emulated_seal_moves_many_pool_rows(emu: OpsLib) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["seal", "merge_seal"])
+def test_emulated_seal_moves_many_pool_rows(emu: OpsLib, fused: bool) -> None:
     """The seal's pool bookkeeping (all threads: ranks, slots from counts, rows staged in shared memory by tiles
     of 64) at sizes the cases above do not reach: 60 pool members among 124 candidates, up to 36 losers per
     sealing event, an aux pool past 64 rows whose members move up in more than one tile, and the stop rule,
-    bit for bit against the reference after every ubatch."""
-    caches = run_scenario(emu, ((2, 2, 64, 32), 64, 1, 2, 60, 100, False))
+    bit for bit against the reference after every ubatch; alone and in the merge's launch."""
+    caches = run_scenario(emu, ((2, 2, 64, 32), 64, 1, 2, 60, 100, False), fused=fused)
     for c in caches:
         st = c.state(0, 0, 0)
         assert len(st.pool) == 60 and len(st.aux) > 64 and not st.tracing
@@ -289,9 +324,10 @@ def cuda_lib(sources: Path) -> OpsLib:
 
 
 @pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU and nvcc (run on a CUDA machine: make gpu-test)")
+@pytest.mark.parametrize("fused", [False, True], ids=["seal", "merge_seal"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_cuda_ops_on_gpu(cuda_lib: OpsLib, case: tuple) -> None:
-    run_scenario(cuda_lib, case)
+def test_cuda_ops_on_gpu(cuda_lib: OpsLib, case: tuple, fused: bool) -> None:
+    run_scenario(cuda_lib, case, fused=fused)
 
 
 def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, str]) -> tuple[float, float, str]:
@@ -320,7 +356,8 @@ def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.Fi
     """The whole CUDA path's logic in the real graph: the test library ott_cuda_emu, preloaded into
     llama-perplexity, makes ggml-cpu run the CUDA kernels' emulation (its ott2 ops hook, ggml_ott_cpu_set_impl)
     with the arguments the CUDA dispatch builds (ggml-ott-args.h) and the GPU's slicing, on
-    real text through SmolLM2 (D 64, GQA) and Gemma 3 (D 256, ott2 beside the f16 window layers). Logits cannot
+    real text through SmolLM2 (D 64, GQA) and Gemma 3 (D 256, ott2 beside the f16 window layers), every layer's
+    seal run in its merge's launch (the fused launcher, as ggml-cuda runs it at decode). Logits cannot
     be equal (fp32 summation order differs, and this model amplifies one-ulp differences through fp16 and 2-bit
     rounding), so the check is quality parity with the CPU path against f16 (a wrong row, slot or cover would
     show as a kivi2-like KLD or worse)."""
@@ -335,8 +372,9 @@ def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.Fi
     cpu = perplexity_kld(model, text, base, "ott2", env)
     emu = perplexity_kld(model, text, base, "ott2", {**env, "LD_PRELOAD": str(built_lib("ott_cuda_emu"))})
     # the emulation ran the graph's ott2 ops (the library counts them and says so on unload)
-    ran = re.search(r"ott-cuda-emu: (\d+) emulated ott2 ops", emu[2])
-    assert "ott-cuda-emu: ggml-cpu runs" in emu[2] and ran and int(ran.group(1)) > 0, emu[2][-2000:]
+    # the merges ran their layers' seals in their launches, as ggml-cuda's at decode
+    ran = re.search(r"ott-cuda-emu: (\d+) emulated ott2 ops, (\d+) merges with their seal", emu[2])
+    assert "ott-cuda-emu: ggml-cpu runs" in emu[2] and ran and int(ran.group(2)) > 0, emu[2][-2000:]
     print(f"{model_name}: KLD vs f16: cpu {cpu[0]:.4f} (top-1 {cpu[1]:.3f}), emulated cuda {emu[0]:.4f} ({emu[1]:.3f})")
     assert abs(emu[0] - cpu[0]) <= 0.25 * cpu[0] + 0.003
     assert abs(emu[1] - cpu[1]) <= 0.04

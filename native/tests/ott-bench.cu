@@ -38,6 +38,7 @@
 
 typedef void (*ott_bench_launcher)(const ott_cu_args * a, void * stream);
 typedef void (*ott_bench_kernel)(const ott_cu_args a);
+typedef void (*ott_bench_kernel_fused)(const ott_cu_args a, const int64_t n_merge);
 
 // one cache config: the head config's ops and the llama_ott_config values that shape the state
 struct ott_bench_cfg {
@@ -46,10 +47,10 @@ struct ott_bench_cfg {
     int32_t kmix, vsym;        // K widths per channel (3 +- 1), symmetric V blocks
     int32_t KB, VB;            // bytes of a K block at the nominal width, of a V block
     int32_t G, Gv, R, O, aux;  // llama_ott_config: G, R, outlier_num, aux_cap (Gv: the head config's)
-    ott_bench_launcher part, merge, seal;    // the launchers ggml-cuda calls
-    ott_bench_launcher epart, emerge, eseal; // their CPU emulation (--emu)
-    const void * (*kpart)(int32_t D);        // the attention partials' kernel at head dimension D
-    const void * kmerge, * kseal;            // the other kernels
+    ott_bench_launcher part, merge, seal, fused;     // the launchers ggml-cuda calls (fused: merge and seal)
+    ott_bench_launcher epart, emerge, eseal, efused; // their CPU emulation (--emu)
+    const void * (*kpart)(int32_t D);                // the attention partials' kernel at head dimension D
+    const void * kmerge, * kseal, * kfused;          // the other kernels
 };
 
 // a head config TAG (gen/generate.py's HeadConfig.tag) of G 128, Gv 64 with the cache's outlier_num 3 and aux_cap 32;
@@ -58,10 +59,13 @@ struct ott_bench_cfg {
     { NAME, #TAG, KMIX, VSYM, (int32_t) sizeof(ott2_cuda_##TAG##_kblock), (int32_t) sizeof(ott2_cuda_##TAG##_vblock), \
       128, 64, R, 3, 32,                                                                                           \
       ott2_cuda_##TAG##_attn_part, ott2_cuda_##TAG##_attn_merge, ott2_cuda_##TAG##_seal,                           \
+      ott2_cuda_##TAG##_attn_merge_seal,                                                                           \
       ott2_emu_##TAG##_attn_part, ott2_emu_##TAG##_attn_merge, ott2_emu_##TAG##_seal,                              \
+      ott2_emu_##TAG##_attn_merge_seal,                                                                            \
       ott2_cuda_##TAG##_attn_part_kernel,                                                                          \
       (const void *) static_cast<ott_bench_kernel>(ott2_cuda_##TAG##_attn_merge),                                  \
-      (const void *) static_cast<ott_bench_kernel>(ott2_cuda_##TAG##_seal) }
+      (const void *) static_cast<ott_bench_kernel>(ott2_cuda_##TAG##_seal),                                        \
+      (const void *) static_cast<ott_bench_kernel_fused>(ott2_cuda_##TAG##_attn_merge_seal) }
 
 // llama_ott_config_default (native/src/llama-ott.cpp): G 128, R 32, outlier_num 3, aux_cap 32, v_rotate 1; k_mix
 // only changes 3-bit keys and v_sym is off, so `-ctk ott2 -ctv ott2` runs k2v2g128x64. The quality tier
@@ -143,6 +147,16 @@ static uint16_t f2h_bits(float x) {
 }
 static void put_u16(uint8_t * p, uint16_t x) { memcpy(p, &x, sizeof(x)); }
 
+// the timed rows: the partials, the merge, the seal (a decode step: nothing to seal), a sealing event, and the merge
+// and the seal in one launch (ott2_cu_ops.attn_merge_seal, what ggml-cuda runs at decode) at a decode step and at a
+// sealing event; each row's kernel (its resources: kernel_res)
+enum { R_PART, R_MERGE, R_SEAL, R_EVENT, R_FUSED, R_FUSED_EVENT, N_ROWS };
+enum { K_PART, K_MERGE, K_SEAL, K_FUSED, N_KERNELS };
+static const char * const kernel_names[N_ROWS] = { "attn_part", "attn_merge", "seal", "seal_event", "merge_seal",
+                                                   "merge_seal_event" };
+static const int kernel_res[N_ROWS] = { K_PART, K_MERGE, K_SEAL, K_SEAL, K_FUSED, K_FUSED };
+static const char * const kernel_fn[N_KERNELS] = { "attn_part", "attn_merge", "seal", "attn_merge_seal" };
+
 // sizes and plans of one (config, shape, depth), as the cache computes them (llama-kv-cache-ott.cpp/.h)
 struct ott_bench_case {
     const ott_bench_cfg * cfg;
@@ -151,11 +165,9 @@ struct ott_bench_case {
     int32_t n_sealed, n_sealed_after;          // decode of the token at position `depth`
     int32_t seal_pos, seal_from, seal_to;      // the token whose decode seals a group, and its plan
     size_t kgb, vgb;                           // bytes of one head's sealed K group, V group
-    int64_t grid[3];                           // blocks of the launches: attn_part, attn_merge, seal
-    double bytes[4];                           // bytes moved at least: attn_part, attn_merge, seal, sealing event
+    int64_t grid[N_ROWS];                      // blocks of each row's launch
+    double bytes[N_ROWS];                      // bytes it moves at least
 };
-
-static const char * const kernel_names[4] = { "attn_part", "attn_merge", "seal", "seal_event" };
 
 static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape * shape, int32_t depth) {
     ott_bench_case c = {};
@@ -183,9 +195,10 @@ static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape
     // the launchers' grids (ott_cuda_ops.j2) at ns = n_tok = 1: attn_part a block per (KV head, sealed slice),
     // serving the KV head's gq query heads, and per (KV head, query head) of the fp16 tail
     const int32_t H = shape->H, gq = shape->n_head/H, G = cfg->G;
-    c.grid[0] = (int64_t) H*(c.NS + gq)*((1 + OTT_TC - 1)/OTT_TC);
-    c.grid[1] = shape->n_head;
-    c.grid[2] = H;
+    c.grid[R_PART] = (int64_t) H*(c.NS + gq)*((1 + OTT_TC - 1)/OTT_TC);
+    c.grid[R_MERGE] = shape->n_head;
+    c.grid[R_SEAL] = c.grid[R_EVENT] = H;
+    c.grid[R_FUSED] = c.grid[R_FUSED_EVENT] = shape->n_head + H;
     // bytes each launch has to move at least, each once. attn_part: the sealed groups' K and V codes and scales, the pool rows and metadata,
     // the ring tail; merge: the partials in, the output out; seal: the token's K and V in, their ring rows out;
     // sealing event: that, plus the group's ring rows in and its codes out.
@@ -195,6 +208,8 @@ static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape
     c.bytes[1] = (double) (D + 2)*gq*H*(c.NS + 1)*4 + (double) D*shape->n_head*4;
     c.bytes[2] = (double) H*D*2*4 + (double) H*D*2*2;
     c.bytes[3] = c.bytes[2] + (double) H*2*G*D*2 + (double) H*(c.kgb + c.vgb);
+    c.bytes[R_FUSED] = c.bytes[R_MERGE] + c.bytes[R_SEAL];
+    c.bytes[R_FUSED_EVENT] = c.bytes[R_MERGE] + c.bytes[R_EVENT];
     return c;
 }
 
@@ -410,14 +425,14 @@ static ott_bench_time time_launches(const ott_bench_env & env, ott_bench_launche
 
 static void print_row(const ott_bench_case & c, int kernel, int occ, int n_sm, const ott_bench_time & t) {
     // waves: how many times the grid fills every SM at the kernel's occupancy (below 1: SMs idle)
-    const int64_t grid = c.grid[kernel < 3 ? kernel : 2];
+    const int64_t grid = c.grid[kernel];
     const double bytes = c.bytes[kernel], waves = (double) grid/((double) n_sm*std::max(occ, 1));
     char str[16] = "-", cold[16] = "-"; // a sealing event is timed alone only
     if (!std::isnan(t.stream)) {
         snprintf(str, sizeof(str), "%.1f", t.stream);
         snprintf(cold, sizeof(cold), "%.1f", t.cold);
     }
-    printf("%-8s %-8s %6d %-10s %6" PRId64 " %6.2f %9.1f %9.1f %9s %9s %10.0f %8.1f\n", c.cfg->name, c.shape->name,
+    printf("%-8s %-8s %6d %-16s %6" PRId64 " %6.2f %9.1f %9.1f %9s %9s %10.0f %8.1f\n", c.cfg->name, c.shape->name,
            c.depth, kernel_names[kernel], grid, waves, t.med, t.min, str, cold, bytes, bytes/(1e3*t.med));
 }
 
@@ -430,7 +445,7 @@ static bool all_finite(const float * x, size_t n) {
     return true;
 }
 
-static int run_case(const ott_bench_env & env, const ott_bench_case & c, const int occ[3]) {
+static int run_case(const ott_bench_env & env, const ott_bench_case & c, const int occ[N_KERNELS]) {
     const ott_bench_cfg & cfg = *c.cfg;
     const int32_t D = c.shape->D, H = c.shape->H, n_head = c.shape->n_head, gq = n_head/H, G = cfg.G;
     OTT_ASSERT(n_head % H == 0 && D % cfg.Gv == 0 && D <= 512);
@@ -462,8 +477,8 @@ static int run_case(const ott_bench_env & env, const ott_bench_case & c, const i
         cfg.epart(&a, nullptr);
         cfg.emerge(&a, nullptr);
     } else {
-        print_row(c, 0, occ[0], env.n_sm, time_launches(env, cfg.part, &a));
-        print_row(c, 1, occ[1], env.n_sm, time_launches(env, cfg.merge, &a));
+        print_row(c, R_PART, occ[K_PART], env.n_sm, time_launches(env, cfg.part, &a));
+        print_row(c, R_MERGE, occ[K_MERGE], env.n_sm, time_launches(env, cfg.merge, &a));
     }
     // garbage check: the merged output of the state above is finite and not all zero
     std::vector<float> out(b.n_out);
@@ -480,63 +495,86 @@ static int run_case(const ott_bench_env & env, const ott_bench_case & c, const i
     if (emu) {
         cfg.eseal(&a, nullptr);
     } else {
-        print_row(c, 2, occ[2], env.n_sm, time_launches(env, cfg.seal, &a));
+        print_row(c, R_SEAL, occ[K_SEAL], env.n_sm, time_launches(env, cfg.seal, &a));
+    }
+    // the merge and the seal in one launch: the same output, bit for bit (the merge's body is unchanged)
+    std::vector<float> out_fused(b.n_out);
+    from_buf(out_fused.data(), b.out, b.n_out*sizeof(float)); // the merge's output, as the seal left it
+    const std::vector<float> nans(b.n_out, NAN);
+    to_buf(b.out, nans.data(), b.n_out*sizeof(float));
+    if (emu) {
+        cfg.efused(&a, nullptr);
+    } else {
+        print_row(c, R_FUSED, occ[K_FUSED], env.n_sm, time_launches(env, cfg.fused, &a));
+    }
+    from_buf(out.data(), b.out, b.n_out*sizeof(float));
+    if (memcmp(out.data(), out_fused.data(), b.n_out*sizeof(float)) != 0) {
+        fprintf(stderr, "ott-bench: %s %s %d: the fused launch's attention output differs from the merge's\n",
+                cfg.name, c.shape->name, c.depth);
+        return 1;
     }
 
     // one sealing event per repeat: the plan of the token that seals group seal_from, the pool reset before each
-    // launch (the competition moves rows; the group's codes and the ring slot written are rewritten identically)
+    // launch (the competition moves rows; the group's codes and the ring slot written are rewritten identically);
+    // by the seal alone, then by the fused launch
     const int32_t event[4] = { 0, c.seal_pos, c.seal_from, c.seal_to };
     to_buf(b.plan, event, sizeof(event));
     const size_t kg0 = (size_t) c.seal_from*c.kgb; // head 0's K bytes of the group that seals
-    std::vector<uint8_t> kg_before(c.kgb), kg_after(c.kgb);
+    std::vector<uint8_t> kg_before(c.kgb), kg_after(c.kgb), kg_sealed;
     from_buf(kg_before.data(), b.sk + kg0, c.kgb);
-    std::vector<float> ev;
-    for (int i = 0; i < (emu ? 1 : 1 + N_SEAL_EVENTS); ++i) { // on the GPU the first one warms up
-        if (emu) {
-            memcpy(b.pmeta, b.pmeta0, b.n_pmeta*sizeof(int32_t));
-            memcpy(b.pkv, b.pkv0, b.n_pkv*sizeof(uint16_t));
-            cfg.eseal(&a, nullptr);
-            continue;
-        }
-        OTT_CHECK(cudaMemcpyAsync(b.pmeta, b.pmeta0, b.n_pmeta*sizeof(int32_t), cudaMemcpyDeviceToDevice, env.stream));
-        OTT_CHECK(cudaMemcpyAsync(b.pkv, b.pkv0, b.n_pkv*sizeof(uint16_t), cudaMemcpyDeviceToDevice, env.stream));
-        OTT_CHECK(cudaEventRecord(env.e0, env.stream));
-        cfg.seal(&a, env.stream);
-        OTT_CHECK(cudaEventRecord(env.e1, env.stream));
-        OTT_CHECK(cudaGetLastError());
-        const float us = elapsed_us(env);
-        if (i > 0) {
-            ev.push_back(us);
-        }
-    }
-    // it sealed with a competition: the pool is full again, losers went to aux, tracing still on
     std::vector<int32_t> m(b.n_pmeta);
-    from_buf(m.data(), b.pmeta, b.n_pmeta*sizeof(int32_t));
-    for (int32_t hh = 0; hh < H; ++hh) {
-        const int32_t * row = m.data() + (size_t) hh*(2*c.S + 3);
-        const int32_t n_aux = row[2*c.S + 1];
-        if (row[2*c.S] != cfg.O || n_aux < cfg.aux/2 || n_aux > cfg.aux/2 + cfg.O || row[2*c.S + 2] != 1) {
-            fprintf(stderr, "ott-bench: %s %s %d: the sealing event left n_pool %d, n_aux %d, tracing %d (head %d)\n",
-                    cfg.name, c.shape->name, c.depth, row[2*c.S], row[2*c.S + 1], row[2*c.S + 2], hh);
+    for (const int row : { R_EVENT, R_FUSED_EVENT }) {
+        const bool fused = row == R_FUSED_EVENT;
+        std::vector<float> ev;
+        for (int i = 0; i < (emu ? 1 : 1 + N_SEAL_EVENTS); ++i) { // on the GPU the first one warms up
+            if (emu) {
+                memcpy(b.pmeta, b.pmeta0, b.n_pmeta*sizeof(int32_t));
+                memcpy(b.pkv, b.pkv0, b.n_pkv*sizeof(uint16_t));
+                (fused ? cfg.efused : cfg.eseal)(&a, nullptr);
+                continue;
+            }
+            OTT_CHECK(cudaMemcpyAsync(b.pmeta, b.pmeta0, b.n_pmeta*sizeof(int32_t), cudaMemcpyDeviceToDevice, env.stream));
+            OTT_CHECK(cudaMemcpyAsync(b.pkv, b.pkv0, b.n_pkv*sizeof(uint16_t), cudaMemcpyDeviceToDevice, env.stream));
+            OTT_CHECK(cudaEventRecord(env.e0, env.stream));
+            (fused ? cfg.fused : cfg.seal)(&a, env.stream);
+            OTT_CHECK(cudaEventRecord(env.e1, env.stream));
+            OTT_CHECK(cudaGetLastError());
+            const float us = elapsed_us(env);
+            if (i > 0) {
+                ev.push_back(us);
+            }
+        }
+        // it sealed with a competition: the pool is full again, losers went to aux, tracing still on
+        from_buf(m.data(), b.pmeta, b.n_pmeta*sizeof(int32_t));
+        for (int32_t hh = 0; hh < H; ++hh) {
+            const int32_t * r = m.data() + (size_t) hh*(2*c.S + 3);
+            const int32_t n_aux = r[2*c.S + 1];
+            if (r[2*c.S] != cfg.O || n_aux < cfg.aux/2 || n_aux > cfg.aux/2 + cfg.O || r[2*c.S + 2] != 1) {
+                fprintf(stderr, "ott-bench: %s %s %d: the %s left n_pool %d, n_aux %d, tracing %d (head %d)\n",
+                        cfg.name, c.shape->name, c.depth, kernel_names[row], r[2*c.S], r[2*c.S + 1], r[2*c.S + 2], hh);
+                return 1;
+            }
+        }
+        // and quantized the group (its bytes were random), to the same bytes both times
+        from_buf(kg_after.data(), b.sk + kg0, c.kgb);
+        if (kg_after == kg_before || (fused && kg_after != kg_sealed)) {
+            fprintf(stderr, "ott-bench: %s %s %d: the %s left group %d %s\n", cfg.name, c.shape->name, c.depth,
+                    kernel_names[row], c.seal_from, kg_after == kg_before ? "as it was" : "other than the seal did");
             return 1;
         }
+        kg_sealed = kg_after;
+        int32_t flag = 0;
+        from_buf(&flag, b.flags, sizeof(flag));
+        OTT_ASSERT(flag == 0); // the K/V were finite
+        if (!emu) {
+            const ott_bench_time te = { median(ev), *std::min_element(ev.begin(), ev.end()), NAN, NAN };
+            print_row(c, row, occ[kernel_res[row]], env.n_sm, te);
+        }
     }
-    // and quantized the group (its bytes were random)
-    from_buf(kg_after.data(), b.sk + kg0, c.kgb);
-    if (kg_after == kg_before) {
-        fprintf(stderr, "ott-bench: %s %s %d: the sealing event left group %d as it was\n", cfg.name, c.shape->name,
-                c.depth, c.seal_from);
-        return 1;
-    }
-    int32_t flag = 0;
-    from_buf(&flag, b.flags, sizeof(flag));
-    OTT_ASSERT(flag == 0); // the K/V were finite
     if (emu) {
-        printf("%-8s %-8s %6d emulated: attention output finite, sealing event with a competition (n_pool %d, "
-               "n_aux %d of head 0)\n", cfg.name, c.shape->name, c.depth, m[2*c.S], m[2*c.S + 1]);
-    } else {
-        const ott_bench_time te = { median(ev), *std::min_element(ev.begin(), ev.end()), NAN, NAN };
-        print_row(c, 3, occ[2], env.n_sm, te);
+        printf("%-8s %-8s %6d emulated: attention output finite, the fused launch's the same; sealing event with a "
+               "competition (n_pool %d, n_aux %d of head 0), alone and fused\n", cfg.name, c.shape->name, c.depth,
+               m[2*c.S], m[2*c.S + 1]);
     }
 
     for (void * p : { (void *) b.q, (void *) b.k, (void *) b.v, (void *) b.part, (void *) b.out, (void *) b.ring,
@@ -588,19 +626,19 @@ int main(int argc, char ** argv) {
         return 2;
     }
     if (plan_only) {
-        printf("%-8s %-8s %6s %-10s %6s %10s\n", "config", "shape", "depth", "kernel", "grid", "bytes");
+        printf("%-8s %-8s %6s %-16s %6s %10s\n", "config", "shape", "depth", "kernel", "grid", "bytes");
         for (const auto & c : cases) {
             print_case(c);
-            for (int k = 0; k < 4; ++k) {
-                printf("%-8s %-8s %6d %-10s %6" PRId64 " %10.0f\n", c.cfg->name, c.shape->name, c.depth,
-                       kernel_names[k], c.grid[k < 3 ? k : 2], c.bytes[k]);
+            for (int k = 0; k < N_ROWS; ++k) {
+                printf("%-8s %-8s %6d %-16s %6" PRId64 " %10.0f\n", c.cfg->name, c.shape->name, c.depth,
+                       kernel_names[k], c.grid[k], c.bytes[k]);
             }
         }
         return 0;
     }
     if (emu) {
         const ott_bench_env env = {};
-        const int occ[3] = { 0, 0, 0 };
+        const int occ[N_KERNELS] = {};
         for (const auto & c : cases) {
             print_case(c);
             if (run_case(env, c, occ) != 0) {
@@ -630,21 +668,21 @@ int main(int argc, char ** argv) {
     // resources per kernel: registers, local memory (stack and spills), static shared memory, blocks per SM;
     // attn_part per shape (its kernel depends on D: attn_part_vec<CPL>, CPL = channels per lane)
     const size_t n_cfg = sizeof(cfgs)/sizeof(cfgs[0]), n_shape = sizeof(shapes)/sizeof(shapes[0]);
-    int occ[n_cfg][n_shape][3];
+    int occ[n_cfg][n_shape][N_KERNELS];
     printf("\n%-8s %-44s %5s %7s %7s %9s %8s\n", "config", "kernel", "regs", "local_B", "smem_B", "blocks/SM",
            "warps/SM");
     for (size_t ci = 0; ci < n_cfg; ++ci) {
         const ott_bench_cfg & cfg = cfgs[ci];
         for (size_t si = 0; si < n_shape; ++si) {
             const int32_t D = shapes[si].D;
-            const void * ks[3] = { cfg.kpart(D), cfg.kmerge, cfg.kseal };
-            for (int k = 0; k < 3; ++k) {
+            const void * ks[N_KERNELS] = { cfg.kpart(D), cfg.kmerge, cfg.kseal, cfg.kfused };
+            for (int k = 0; k < N_KERNELS; ++k) {
                 cudaFuncAttributes fa;
                 OTT_CHECK(cudaFuncGetAttributes(&fa, ks[k]));
                 OTT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ[ci][si][k], ks[k], OTT_NT, 0));
                 if (pick(a_cfg, cfg.name) && (k == 0 || si == 0)) {
                     // as ncu names it
-                    std::string fn = std::string("ott2_cuda_") + cfg.tag + "_" + kernel_names[k];
+                    std::string fn = std::string("ott2_cuda_") + cfg.tag + "_" + kernel_fn[k];
                     if (k == 0) {
                         fn += "_vec<" + std::to_string(D <= 64 ? 2 : D <= 128 ? 4 : D <= 256 ? 8 : 16) + ">";
                     }
@@ -655,7 +693,7 @@ int main(int argc, char ** argv) {
         }
     }
 
-    printf("\n%-8s %-8s %6s %-10s %6s %6s %9s %9s %9s %9s %10s %8s\n", "config", "shape", "depth", "kernel", "grid",
+    printf("\n%-8s %-8s %6s %-16s %6s %6s %9s %9s %9s %9s %10s %8s\n", "config", "shape", "depth", "kernel", "grid",
            "waves", "us_med", "us_min", "us_stream", "us_cold", "bytes", "GB/s");
     for (const auto & c : cases) {
         print_case(c);
