@@ -582,7 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8080)
     s.set_defaults(fn=cmd_serve)
 
-    k = sub.add_parser("calibrate", help="choose K/V code widths per layer for a model at the bytes of a K/V pair")
+    k = sub.add_parser("calibrate", help="choose K/V code widths per layer for a model at the bytes of a K/V pair",
+                       description="Choose K/V code widths per layer on calibration text and write them where "
+                       "--kv-tier quality finds them (docs/kv-tiers.md). Without --kv-type/-ctk/-ctv/--ott-params it "
+                       "calibrates the quality tier: ott3/ott2 --ott-params 128,64,3,32,2,1,1,1.")  # fmt: skip
     k.add_argument("model", help="GGUF path or a known model name")
     _add_kv_type_args(k, "ott3/ott2", tier=False)
     k.add_argument("--up", default="3/3", help="K/V bits of a widened block (default 3/3)")

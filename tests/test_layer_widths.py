@@ -271,13 +271,16 @@ def test_plan_within_bits_fits_the_caches_own_bytes(smollm2: Path) -> None:
         plan_within_bits(smollm2, "ott3", "ott2", blocks, 0.04, (3, 2), (3, 3), (2, 2), 2.0, log=lambda _: None)
 
 
-def test_calibrate_command_on_smollm2(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_command_on_smollm2(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Small but real: 2 blocks, one 512-token chunk of calibration text, the quality tier's parameters (R 64,
     symmetric values); the report covers every layer, and a chosen spec measured below the base pair at no more
     code bits, with the parameters it was calibrated under."""
+    out_file = tmp_path / "calib.json"  # not the user cache, where --kv-tier quality would find it
     code, out, err = run_cli(capsys, "calibrate", smollm2, "--blocks", "2", "--chunks", "1", "--n-ctx", "512",
-                             "--threads", str(THREADS), "--ott-params", "128,64,3,32,2,1,1,1")  # fmt: skip
+                             "--threads", str(THREADS), "--ott-params", "128,64,3,32,2,1,1,1",
+                             "--out", out_file)  # fmt: skip
     assert code == 0, err
+    assert out_file.is_file()
     assert "| 0-14 |" in out and "| 15-29 |" in out, out
     base = float(re.search(r"base pair everywhere: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert 0 < base < 1

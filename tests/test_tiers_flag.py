@@ -19,9 +19,10 @@ SHIPPED = {"smollm2-135m": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2", "gemm
 
 @pytest.fixture
 def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty user cache (calibrations and the sha256 index), so that the machine's own cache does not count."""
+    """An empty user cache for calibrations and the sha256 index (the models stay where they are), so that the
+    machine's own calibrations do not count and none is left there."""
     cache = tmp_path / "cache"
-    monkeypatch.setenv("OTT_GGUF_CACHE", str(cache))
+    monkeypatch.setattr(tiers, "_cache_dir", lambda: cache)
     return cache
 
 
@@ -35,9 +36,10 @@ def test_shipped_calibrations_are_installed_and_valid() -> None:
 
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_generate_with_the_quality_tier_uses_the_shipped_calibration(
-    name: str, user_cache: Path, capsys: pytest.CaptureFixture[str]
+    name: str, user_cache: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
-    code, out, err = run_cli(capsys, "generate", name, "What is the capital of France?", "--kv-tier", "quality",
+    model = request.getfixturevalue(name.split("-")[0])  # the smollm2 / gemma3 fixture: the fetched GGUF
+    code, out, err = run_cli(capsys, "generate", model, "What is the capital of France?", "--kv-tier", "quality",
                              "-t", THREADS, "-n", 8)  # fmt: skip
     assert code == 0, err
     lines = [ln for ln in err.splitlines() if ln.startswith("kv tier ")]
