@@ -103,7 +103,8 @@ def test_every_ott_gguf_command_line_in_the_readme_parses(monkeypatch: pytest.Mo
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     documented = {argv[0] for argv in lines}
     assert documented >= {"generate", "chat", "serve", "info", "eval", "bench", "calibrate"}, documented
-    for argv in lines:
+    usage = command_lines((ROOT / "docs" / "usage.md").read_text(), "ott-gguf")  # the reference page's too
+    for argv in lines + usage:
         if argv[0] == "serve" and "--" in argv:
             argv = argv[: argv.index("--")]  # the rest goes to llama-server as it is (cli.main does the same)
         assert argv[0] in sub.choices, f"ott-gguf has no command {argv[0]!r}"
@@ -111,7 +112,9 @@ def test_every_ott_gguf_command_line_in_the_readme_parses(monkeypatch: pytest.Mo
         try:
             parser.parse_args(argv)
         except SystemExit as e:
-            pytest.fail(f"`ott-gguf {shlex.join(argv)}` from the README does not parse (exit {e.code})")
+            pytest.fail(
+                f"`ott-gguf {shlex.join(argv)}` from the README or docs/usage.md does not parse (exit {e.code})"
+            )
 
 
 def test_llama_cpp_tool_options_in_the_readme_exist() -> None:
