@@ -157,7 +157,8 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     # symmetric 2-bit V (v_sym)
     assert len(tags) == 16 and sum("v2s" in t for t in tags) == 4
     for tag in tags:
-        for fn in ("attn_part", "attn_merge", "seal"):
+        # attn_merge_seal: the merge and the seal in one launch, which the glue's merge runs at decode
+        for fn in ("attn_part", "attn_merge", "seal", "attn_merge_seal"):
             assert f"U ott2_cuda_{tag}_{fn}" in syms  # referenced by the glue
             if with_ops:
                 assert f" T ott2_cuda_{tag}_{fn}" in ops_syms  # and defined by the generated unit

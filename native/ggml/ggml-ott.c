@@ -46,12 +46,14 @@ struct ggml_tensor * ggml_ott_attn_part(struct ggml_context * ctx, struct ggml_t
 }
 
 struct ggml_tensor * ggml_ott_attn(struct ggml_context * ctx, struct ggml_tensor * part, int64_t n_tok_all,
-        const struct ggml_ott_params * p) {
+        struct ggml_tensor * flags, const struct ggml_ott_params * p) {
     GGML_ASSERT(part->type == GGML_TYPE_F32 && part->ne[0] == p->D + 2 && part->ne[2] == p->H);
+    GGML_ASSERT(!flags || (flags->type == GGML_TYPE_I32 && flags->ne[0] == p->n_stream));
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p->D, p->n_head, n_tok_all);
     ggml_set_op_params(result, p, sizeof(*p));
     result->op = GGML_OP_OTT_ATTN;
     result->src[0] = part;
+    result->src[1] = flags;
     return result;
 }
 

@@ -31,9 +31,11 @@ GGML_API struct ggml_tensor * ggml_ott_attn_part(struct ggml_context * ctx, stru
         struct ggml_tensor * sealed_v, struct ggml_tensor * pool_kv, struct ggml_tensor * pool_meta,
         struct ggml_tensor * plan, const struct ggml_ott_params * p);
 
-// merge of the partials -> F32 [D, n_head, ns*n_tok]
+// merge of the partials -> F32 [D, n_head, ns*n_tok]. flags (optional): the layer's flags when ggml_ott_seal of the
+// partials' own tensors follows this merge; a backend may then run that seal in the merge's launch (CUDA: one
+// launch for both, and the OTT_SEAL node launches nothing); the others ignore it
 GGML_API struct ggml_tensor * ggml_ott_attn(struct ggml_context * ctx, struct ggml_tensor * part, int64_t n_tok_all,
-        const struct ggml_ott_params * p);
+        struct ggml_tensor * flags, const struct ggml_ott_params * p);
 
 // seal the groups the ubatch made eligible and keep its unsealed tokens in the ring (writes the cache's
 // tensors in place); `after` orders it after the layer's attention; flags: I32 [n_stream], set to 1 on

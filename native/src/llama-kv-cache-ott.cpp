@@ -61,7 +61,7 @@ static void ott_check_device_ops(const char * type_name, const ott_layer & L, gg
     ggml_tensor * v    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p.D, p.H, 1);
     ggml_tensor * plan = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 4, 1);
     ggml_tensor * part = ggml_ott_attn_part(ctx, q, k, v, L.ring, L.sealed_k, L.sealed_v, L.pool_kv, L.pool_meta, plan, &p);
-    ggml_tensor * out  = ggml_ott_attn(ctx, part, 1, &p);
+    ggml_tensor * out  = ggml_ott_attn(ctx, part, 1, L.flags, &p);
     ggml_tensor * seal = ggml_ott_seal(ctx, out, k, v, L.ring, L.sealed_k, L.sealed_v, L.pool_kv, L.pool_meta, plan,
                                        L.flags, &p);
     const char * refused = !ggml_backend_dev_supports_op(dev, part) ? "attention" :

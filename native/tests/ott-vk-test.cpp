@@ -52,7 +52,7 @@ extern "C" int ott_vktest_attn(const ott_cu_args * a, int device, int32_t kbits,
     ggml_tensor * pmeta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 2*a->S + 3, a->H, a->n_stream);
     ggml_tensor * plan  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 4, a->ns);
     ggml_tensor * part  = ggml_ott_attn_part(ctx, q, k, v, ring, sk, sv, pkv, pmeta, plan, &p);
-    ggml_tensor * out   = ggml_ott_attn(ctx, part, rows, &p);
+    ggml_tensor * out   = ggml_ott_attn(ctx, part, rows, nullptr, &p);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
 
     int rc = 0;
