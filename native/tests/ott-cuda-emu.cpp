@@ -20,6 +20,7 @@
 namespace {
 
 std::atomic<long> n_calls{0};
+std::atomic<long> n_fused{0}; // merges that ran their layer's seal
 
 // the emulated kernels of the op's K/V widths (every pair the build has)
 const ott2_cu_ops * ops_of(const ggml_tensor * op) {
@@ -44,17 +45,38 @@ void emu_attn_part(ggml_tensor * dst, int ith, int /*nth*/) {
     }
 }
 
+// as the CUDA dispatch (ggml-cuda-ott.cu): a merge given its layer's flags runs the layer's seal in its launch
+// (the fused launcher's emulation, blocks last first), and that OTT_SEAL node then does nothing. ggml-cuda also
+// asks that the launch fit one wave of the GPU; here every such merge fuses, so the graph's seals all run at
+// their merges' places.
+bool merge_seals(const ggml_tensor * merge) {
+    return merge->op == GGML_OP_OTT_ATTN && merge->src[1] != nullptr;
+}
+
 void emu_attn(ggml_tensor * dst, int ith, int /*nth*/) {
     if (ith == 0) {
-        ott_cu_args a = ggml_ott_cu_args(dst->src[0]); // shapes only: the merge reads `part`
-        a.part = (float *) dst->src[0]->data;
+        const ggml_tensor * part = dst->src[0];
+        ott_cu_args a = ggml_ott_cu_args(part); // the merge reads `part`; the seal the partials' sources
+        a.part = (float *) part->data;
         a.out = (float *) dst->data;
-        ops_of(dst->src[0])->attn_merge(&a, nullptr);
+        const ott2_cu_ops * ops = ops_of(part);
+        if (merge_seals(dst)) {
+            a.flags = (int32_t *) dst->src[1]->data;
+            std::vector<uint16_t> scratch((size_t) 2*ops->G*a.D*a.ns*a.H);
+            a.scratch = scratch.data();
+            ops->attn_merge_seal(&a, nullptr);
+            n_fused++;
+        } else {
+            ops->attn_merge(&a, nullptr);
+        }
         n_calls++;
     }
 }
 
 void emu_seal(ggml_tensor * dst, int ith, int /*nth*/) {
+    if (merge_seals(dst->src[0]) && dst->src[0]->src[1] == dst->src[9]) {
+        return; // sealed in the merge's launch
+    }
     if (ith == 0) {
         ott_cu_args a = ggml_ott_cu_args(dst);
         const ott2_cu_ops * ops = ops_of(dst);
@@ -116,5 +138,5 @@ __attribute__((constructor)) static void ott_cuda_emu_load() {
 
 __attribute__((destructor)) static void ott_cuda_emu_unload() {
     install(false);
-    fprintf(stderr, "ott-cuda-emu: %ld emulated ott2 ops\n", n_calls.load());
+    fprintf(stderr, "ott-cuda-emu: %ld emulated ott2 ops, %ld merges with their seal\n", n_calls.load(), n_fused.load());
 }
