@@ -148,6 +148,17 @@ def markdown(run: Run, rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bits_table(model: str, specs: Sequence[str], ctxs: Sequence[int]) -> str:
+    """Bits per element of each tier at each context, from the caches' own bytes (no text is run)."""
+    path = models.fetch(model, quiet=True)
+    lines = [f"| {model} | " + " | ".join(f"{n}" for n in ctxs) + " |", "|---|" + "---|" * len(ctxs)]
+    for spec in specs:
+        tier = tier_of(spec, model)
+        cells = " | ".join(f"{bits_per_element(path, tier, n):.3f}" for n in ctxs)
+        lines.append(f"| {tier.label} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/long-context.md"))
@@ -156,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", type=Path, default=None, help="JSON lines of measured rows, reused and extended")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keep", type=Path, default=None, help="a folder for the f16 logits, reused when there")
+    ap.add_argument("--bits", default="", help="MODEL:CTX,CTX,...: only print the tiers' bits per element there")
     a = ap.parse_args(argv)
+    if a.bits:
+        model, _, ctxs = a.bits.partition(":")
+        print(bits_table(model, a.tiers.split(";"), [int(n) for n in ctxs.split(",")]))
+        return 0
     t0 = time.time()
     parts, commands = [], []
     for run in parse_runs(a.runs):
