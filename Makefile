@@ -56,9 +56,11 @@ lint: $(BIN)/python
 	$(BIN)/ruff check ott_gguf study tests gen models native
 	$(BIN)/ruff format --check ott_gguf study tests gen models native
 
-# TEST_WORKERS=N runs the test files in N processes (pytest-xdist, a file per process at a time: a module's model
-# is loaded once); 1 runs them in this one (docs/testing.md)
-TEST_WORKERS ?= 1
+# the test files run in TEST_WORKERS processes (pytest-xdist, a file per process at a time: a module's model is
+# loaded once); 1 runs them in this one. Two on 2 cores: much of the suite leaves a core idle (nvcc, lavapipe's one
+# thread, numpy), and the tests' OpenMP threads sleep soon at their barriers (GOMP_SPINCOUNT, tests/conftest.py):
+# measured 416 s -> 319 s on a dozen files (docs/testing.md)
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
 test: install apt-test lint

@@ -42,7 +42,7 @@ def _cmake(bdir: Path) -> str:
 @cache
 def build_test_libs() -> Path:
     bdir = build_dir()
-    # test processes (make test TEST_WORKERS=2) build in the same tree: one ninja at a time
+    # the test processes (make test runs two) build in the same tree: one ninja at a time
     with open(bdir / ".ott-test-libs.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         res = subprocess.run([_cmake(bdir), "--build", str(bdir), "--target", TARGET], capture_output=True, text=True)
