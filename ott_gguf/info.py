@@ -14,6 +14,7 @@ form from ggml's type sizes is printed beside the measurement as a check.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,9 +40,15 @@ CTX_STEP = 256  # the longest context is rounded down to this (a multiple of ott
 MIB = 1 << 20
 
 
+_LOG_LOCK = threading.RLock()
+
+
 @contextmanager
 def captured_log() -> Iterator[list[str]]:
-    """Collect llama.cpp/ggml log text (instead of printing it) while the block runs; restore the logger after."""
+    """Collect llama.cpp/ggml log text (instead of printing it) while the block runs; restore the logger after.
+    The logger is one per process: captures from several threads take turns (_LOG_LOCK), or a thread could restore
+    another's collector after that one was freed, and llama.cpp's next log line would call freed memory (two
+    threads creating ott Llama objects at once crashed so)."""
     lc = _lib.llama_cpp_module().llama_cpp
     lines: list[str] = []
 
@@ -49,14 +56,15 @@ def captured_log() -> Iterator[list[str]]:
     def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         lines.append(text.decode("utf-8", errors="replace"))
 
-    old_cb = lc.llama_log_callback()
-    old_ud = ctypes.c_void_p()
-    lc.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_ud))
-    lc.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
-        yield lines
-    finally:
-        lc.llama_log_set(old_cb, old_ud)
+    with _LOG_LOCK:
+        old_cb = lc.llama_log_callback()
+        old_ud = ctypes.c_void_p()
+        lc.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_ud))
+        lc.llama_log_set(collect, ctypes.c_void_p(0))
+        try:
+            yield lines
+        finally:
+            lc.llama_log_set(old_cb, old_ud)
 
 
 @dataclass(frozen=True)

@@ -310,3 +310,44 @@ def test_a_refused_stock_state_says_what_llama_cpp_said(smollm2: Path, gemma3: P
     dst = Llama(str(smollm2), kv_type="f16", n_ctx=256, n_threads=1, verbose=False)
     with pytest.raises(RuntimeError, match=r"Failed to set llama state data: llama.cpp says \S+"):
         dst.load_state(state)
+
+
+def test_log_captures_from_two_threads_leave_the_logger_as_it_was() -> None:
+    """llama.cpp has one logger per process. Thread A captures it (ott_gguf.info.captured_log, used while a model
+    loads) and, while it holds it, thread B starts its own capture: B must not take A's collector for the logger to
+    restore, or A's collector, freed when A is done, is called by llama.cpp's next log line (two threads creating
+    ott Llama objects at once crashed so). After both, the logger is the one before."""
+    import ctypes
+    import threading
+
+    from ott_gguf import _lib
+    from ott_gguf.info import captured_log
+
+    lc = _lib.llama_cpp_module().llama_cpp
+
+    def current() -> int | None:
+        cb, ud = lc.llama_log_callback(), ctypes.c_void_p()
+        lc.llama_log_get(ctypes.byref(cb), ctypes.byref(ud))
+        return ctypes.cast(cb, ctypes.c_void_p).value
+
+    before = current()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with captured_log():
+            a_in.set()
+            b_in.wait(0.5)  # B either enters now (A's collector is in place) or waits for A to finish
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(5)
+        with captured_log():
+            b_in.set()
+            a_out.wait(5)  # B restores its logger after A has restored A's
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert current() == before
