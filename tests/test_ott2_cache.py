@@ -242,7 +242,7 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
         other.load_state(state)
     q8 = Llama(str(smollm2), kv_type="q8_0", n_ctx=2048, verbose=False)
     q8.eval(doc_tokens[:50])
-    with pytest.raises(ValueError, match="not saved from an ott cache"):
+    with pytest.raises(ValueError, match="this saved state holds a q8_0 cache; this Llama's cache is ott2"):
         llm.load_state(q8.save_state())
     raw = bytes(state.llama_state)
 
