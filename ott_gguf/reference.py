@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_types import K_MIX_BITS, ROT_BLOCK, OttConfig
-from .quantizer import Quantized, dequantize, quantize
+from .quantizer import CLIP_ONE, BlockFormat, Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
 
@@ -227,6 +227,17 @@ def check_v_rotation(config: OttConfig, head_dim: int) -> None:
         raise ValueError(f"v_rotate needs the head dim to be a multiple of max(Gv, {ROT_BLOCK}) = {U}, got {head_dim}")
 
 
+def _key_rank(k: np.ndarray) -> np.ndarray:
+    """Channels of a group of keys k (G, D), most deserving first: by c = (max - min) * max(|max|, |min|), computed
+    in fp32 from the fp16 keys (one rounded product, so every implementation ranks alike), largest first, ties to
+    the lower channel."""
+    kf = np.asarray(k, dtype=np.float32)
+    D = kf.shape[1]
+    mx, mn = kf.max(axis=0), kf.min(axis=0)
+    crit = ((mx - mn).astype(np.float32) * np.maximum(np.abs(mx), np.abs(mn))).astype(np.float32)
+    return np.lexsort((np.arange(D), -crit))  # lexsort's last key is the primary one
+
+
 def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
     """(D,) uint8 code width of each channel of a group of keys k (G, D) under config.k_mix (3-bit keys).
 
@@ -236,11 +247,8 @@ def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
     weighs a channel's quantization step (its range) by its magnitude, a proxy for its share of the scores
     q.k (docs/k-channel-widths.md measures it against allocations that know the queries).
     """
-    kf = np.asarray(k, dtype=np.float32)
-    D = kf.shape[1]
-    mx, mn = kf.max(axis=0), kf.min(axis=0)
-    crit = ((mx - mn).astype(np.float32) * np.maximum(np.abs(mx), np.abs(mn))).astype(np.float32)
-    order = np.lexsort((np.arange(D), -crit))  # lexsort's last key is the primary one
+    order = _key_rank(k)
+    D = len(order)
     n = D // 4
     widths = np.full(D, K_MIX_BITS, np.uint8)
     widths[order[:n]] = K_MIX_BITS + 1
@@ -248,8 +256,98 @@ def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
     return widths
 
 
+# ------------------------------------------------------------------- study option: mixed widths for any key width
+
+# Clip of the 1-bit channels of a KeyMix, in sixty-fourths of the group's range (the two levels sit at
+# min + range*(1-c)/2 and max - range*(1-c)/2). Measured on the calibration split's captured attention of both
+# test models with study.k_widths --clip1 (docs/long-context-keys.md), as docs/clipping.md measured K_CLIP64.
+K1_CLIP64 = 40
+
+
+@dataclass(frozen=True)
+class KeyMix:
+    """Study option (issue 51; no kernel implements it): k_mix generalised to any key width.
+
+    Per sealed group, channels are ranked as key_widths ranks them (_key_rank); the first D // hi_div get `hi`
+    bits, the last n_lo get `lo` bits, the others `bits`, with n_lo chosen so that the group holds exactly
+    bits*D*G code bits: n_lo = n_hi * (hi - bits) / (bits - lo) (must be an integer). KeyMix() is the 2-bit analogue
+    of k_mix: widths 1/2/3, a quarter of the channels at 1 bit and a quarter at 3. KeyMix(bits=3, lo=2, hi=4) is
+    exactly k_mix (key_widths). Each width has its own clipped range: K_CLIP64 for 2-4 bits, clip1 for 1 bit
+    (full range without config.clip); a 0-bit channel (lo = 0) stores no codes, only its fp16 mean (scale 0).
+    Byte cost (study.k_widths counts it): fp16 scale and min per channel and group as every key channel, plus a
+    2-bit width table per channel and group (as k_mix's).
+    """
+
+    bits: int = 2
+    lo: int = 1
+    hi: int = 3
+    hi_div: int = 4
+    clip1: int = K1_CLIP64
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.bits < self.hi <= 4:
+            raise ValueError(f"KeyMix needs 0 <= lo < bits < hi <= 4, got {self.lo}/{self.bits}/{self.hi}")
+        if self.hi_div < 1 or not 1 <= self.clip1 <= CLIP_ONE:
+            raise ValueError(f"KeyMix: hi_div must be >= 1 and clip1 in [1, {CLIP_ONE}]")
+
+    def counts(self, D: int) -> tuple[int, int]:
+        """(n_hi, n_lo) channels of a group of D channels."""
+        n_hi = D // self.hi_div
+        n_lo, rem = divmod(n_hi * (self.hi - self.bits), self.bits - self.lo)
+        if rem or n_hi + n_lo > D:
+            raise ValueError(f"KeyMix {self}: no whole channel count keeps {self.bits} bits on average at D = {D}")
+        return n_hi, n_lo
+
+    def widths(self, k: np.ndarray) -> np.ndarray:
+        """(D,) uint8 code width of each channel of a group of keys k (G, D)."""
+        order = _key_rank(k)
+        D = len(order)
+        n_hi, n_lo = self.counts(D)
+        widths = np.full(D, self.bits, np.uint8)
+        widths[order[:n_hi]] = self.hi
+        if n_lo:
+            widths[order[D - n_lo :]] = self.lo
+        return widths
+
+    def format_of(self, bits: int, config: OttConfig) -> BlockFormat:
+        """The block format of a channel at `bits` (1 to 4) under config (its G and clip)."""
+        if bits == 1:
+            return _OneBitFormat(1, config.G, self.clip1 if config.clip else CLIP_ONE)
+        return config.k_format_of(bits)
+
+
+@dataclass(frozen=True)
+class _OneBitFormat(BlockFormat):
+    """1-bit channels of a KeyMix: quantizer.quantize's arithmetic with nlev = 1 (no packed layout exists)."""
+
+    def __post_init__(self) -> None:
+        if self.bits != 1 or self.group <= 0 or not 1 <= self.clip <= CLIP_ONE or self.sym:
+            raise ValueError(f"not a 1-bit key format: {self}")
+
+
+def _quantize_keys_mixed(
+    k: np.ndarray, config: OttConfig, widths: np.ndarray, mix: KeyMix
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Channel c of k (G, D) fp32 at widths[c] bits: codes (D, G), scale (D,), min (D,) fp16, k_hat (G, D)."""
+    G, D = k.shape
+    codes = np.zeros((D, G), np.uint8)
+    d = np.zeros(D, np.float16)
+    m = np.zeros(D, np.float16)
+    k_hat = np.zeros((G, D), np.float32)
+    for bits in np.unique(widths):
+        cs = np.flatnonzero(widths == bits)
+        if bits == 0:  # no codes: the channel's mean (exact in fp64, rounded once to fp16), scale 0
+            m[cs] = k[:, cs].astype(np.float64).mean(axis=0).astype(np.float16)
+            k_hat[:, cs] = m[cs].astype(np.float32)[None, :]
+            continue
+        q = quantize(k.T[cs], mix.format_of(int(bits), config))
+        codes[cs], d[cs], m[cs] = q.codes.reshape(len(cs), G), q.d.reshape(-1), q.m.reshape(-1)
+        k_hat[:, cs] = dequantize(q).T
+    return codes, d, m, k_hat
+
+
 def quantize_keys(
-    k: np.ndarray, config: OttConfig
+    k: np.ndarray, config: OttConfig, mix: KeyMix | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool, np.ndarray | None]:
     """Channel-wise: k (G, D) -> codes (D, G) uint8, scale (D,) fp16, min (D,) fp16, k_hat (G, D) fp32, rotated,
     widths ((D,) uint8 under config.k_mixed, else None).
@@ -258,24 +356,20 @@ def quantize_keys(
     min of the rotated group would not fit fp16 (a rotated value can reach 8x the largest input, beyond fp16 for
     inputs above 65504/8): then the whole group is quantized unrotated, and `rotated` (one flag per group) says so.
     k_mixed: channel c is quantized at widths[c] bits (key_widths), each width with its own clipped range.
+    mix (study option, KeyMix): the widths of mix.widths instead, whatever config.kbits and k_mix say (the config's
+    G and clip still apply; k_rotate is ignored).
     """
     k = np.asarray(k, dtype=np.float32)
     G, D = k.shape
     if config.identity:
         z = np.zeros(D, np.float16)
         return np.zeros((D, G), np.uint8), z, z.copy(), k.copy(), False, None
+    if mix is not None:
+        widths = mix.widths(k)
+        return (*_quantize_keys_mixed(k, config, widths, mix), False, widths)
     if config.k_mixed:
         widths = key_widths(k, config)
-        codes = np.zeros((D, G), np.uint8)
-        d = np.zeros(D, np.float16)
-        m = np.zeros(D, np.float16)
-        k_hat = np.zeros((G, D), np.float32)
-        for bits in np.unique(widths):
-            cs = np.flatnonzero(widths == bits)
-            q = quantize(k.T[cs], config.k_format_of(int(bits)))
-            codes[cs], d[cs], m[cs] = q.codes.reshape(len(cs), G), q.d.reshape(-1), q.m.reshape(-1)
-            k_hat[:, cs] = dequantize(q).T
-        return codes, d, m, k_hat, False, widths
+        return (*_quantize_keys_mixed(k, config, widths, KeyMix(bits=3, lo=2, hi=4)), False, widths)
     # transposed: the G tokens of a channel form one group, codes (D, 1, G), d and m (D, 1)
     if config.k_rotate:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for
@@ -350,8 +444,9 @@ def dequantize_group(g: SealedGroup, config: OttConfig) -> tuple[np.ndarray, np.
     return k_hat, dequantize_values(g.v_codes, g.v_scale, g.v_min, config)
 
 
-def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
-    """Seal the oldest group of the tail (spec 'Sealing', steps 1-5), in place."""
+def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: KeyMix | None = None) -> None:
+    """Seal the oldest group of the tail (spec 'Sealing', steps 1-5), in place. key_mix: the study option of
+    quantize_keys (None: the configuration's keys)."""
     G = state.G
     index = state.n_sealed
     assert len(state.tail_pos) >= G and state.tail_pos[0] == index * G
@@ -388,7 +483,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int) -> None:
             gv[won] = group_mean(gv, rows)
 
     # 5. quantize and drop the group from the tail
-    k_codes, k_scale, k_min, k_hat, k_rotated, k_widths = quantize_keys(gk, config)
+    k_codes, k_scale, k_min, k_hat, k_rotated, k_widths = quantize_keys(gk, config, key_mix)
     v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from ott_gguf.quantizer import K_CLIP64, V_ROT_CLIP64, V_SYM_CLIP64, BlockFormat, Quantized, dequantize, quantize
 from ott_gguf.reference import (
+    K1_CLIP64,
     HeadState,
+    KeyMix,
     OttCache,
     OttConfig,
     attend,
@@ -935,6 +937,61 @@ def test_k_mix_lowers_the_score_error_at_the_same_code_bits() -> None:
     cfg = OttConfig(k_bits=3, k_mix=True)
     mixed, plain = memory_bits(cfg, D, 4096), memory_bits(cfg.replace(k_mix=False), D, 4096)
     assert mixed["codes"] == plain["codes"] and mixed["k_widths"] == 2 * D * 31 and plain["k_widths"] == 0
+
+
+def test_key_mix_study_option_widths_error_and_default() -> None:
+    """KeyMix (issue 51's study option, docs/long-context-keys.md): 2-bit keys with widths exactly 1/2/3 in the
+    quarters of the k_mix ranking, each width's error bounded by its own step; KeyMix(3, 2, 4) is k_mix; the
+    default ott2 keys are untouched."""
+    rng = np.random.default_rng(51)
+    G = 128
+    for D in (64, 256):
+        k = (rng.standard_normal((G, D)) * rng.lognormal(0, 1.5, D)).astype(np.float16)
+        kf = k.astype(np.float32)
+        cfg = OttConfig(outlier_num=0)  # 2-bit keys, clipped, k_mix on (which leaves 2-bit keys alone)
+        mix = KeyMix()
+        codes, d, m, k_hat, rotated, w = quantize_keys(k, cfg, mix)
+        assert not rotated and w is not None and w.dtype == np.uint8
+        assert [int((w == b).sum()) for b in (1, 2, 3)] == [D // 4, D // 2, D // 4] and int(w.sum()) == 2 * D
+        # the same ranking as k_mix: 3 bits where k_mix gives 4, 1 bit where it gives 2
+        w3 = key_widths(k, OttConfig(k_bits=3))
+        assert (w.astype(int) == w3.astype(int) - 1).all()
+        assert (codes < (1 << w.astype(np.int64))[:, None]).all()
+        # error bounded: inside its clipped range a value is within half a step of its level, outside it within
+        # the clipped-off part of the range plus half a step; steps from the stored scales
+        rng_c = kf.max(0) - kf.min(0)
+        clip = np.array([{1: K1_CLIP64, 2: K_CLIP64[2], 3: K_CLIP64[3]}[int(b)] for b in w]) / 64
+        bound = rng_c * (1 - clip) / 2 + d.astype(np.float32) / 2 + 1e-3 * (np.abs(kf).max(0) + 1e-3)
+        assert (np.abs(k_hat - kf) <= bound[None, :] * 1.0001).all()
+        # 1-bit channels: two levels exactly, at min + range*(1-c)/2 and max - range*(1-c)/2 (fp16-rounded)
+        c1 = int(np.flatnonzero(w == 1)[0])
+        lo = np.float16(kf[:, c1].min() + rng_c[c1] * np.float32((64 - K1_CLIP64) / 128))
+        assert set(np.unique(k_hat[:, c1]).tolist()) <= {float(lo), float(np.float32(lo) + np.float32(d[c1]))}
+        # KeyMix(3, 2, 4) is k_mix, bit for bit
+        cfg3 = OttConfig(k_bits=3, outlier_num=0)
+        ref = quantize_keys(k, cfg3)
+        got = quantize_keys(k, cfg3, KeyMix(bits=3, lo=2, hi=4))
+        for a, b in zip(ref[:4], got[:4], strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ref[5], got[5])
+        # the default (no mix) is plain clipped 2-bit keys, no widths table
+        codes0, d0, m0, k_hat0, _, w0 = quantize_keys(k, cfg)
+        q = quantize(kf.T, BlockFormat(2, G, K_CLIP64[2]))
+        assert w0 is None
+        np.testing.assert_array_equal(codes0, q.codes.reshape(D, G))
+        np.testing.assert_array_equal(k_hat0, dequantize(q).reshape(D, G).T)
+        # other proportions keep 2 bits on average: 1/2/4 with twice as many 1-bit as 4-bit channels, 0/2/3 with
+        # half as many 0-bit (mean only) as 3-bit channels
+        for other, want in (
+            (KeyMix(hi=4, hi_div=8), {1: D // 4, 4: D // 8}),
+            (KeyMix(lo=0, hi_div=8), {0: D // 16, 3: D // 8}),
+        ):
+            wo = quantize_keys(k, cfg, other)[5]
+            assert int(wo.sum()) == 2 * D and all(int((wo == b).sum()) == n for b, n in want.items())
+    with pytest.raises(ValueError, match="lo < bits < hi"):
+        KeyMix(bits=2, lo=2)
+    with pytest.raises(ValueError, match="whole channel count"):
+        KeyMix(lo=0, hi_div=64).counts(64)  # one 3-bit channel would need half a 0-bit one
 
 
 # ------------------------------------------------------------------------------- widths per side, rotations
