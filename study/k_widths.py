@@ -1,6 +1,7 @@
 """K widths per channel (issue 12): which channels of a key group deserve more bits, measured two ways.
 
     python -m study.k_widths --out docs/k-channel-widths.md [--models smollm2-135m,gemma3-270m] [--chunks 4]
+    python -m study.k_widths --two-bit --n-ctx 2048,8192 --out docs/long-context-keys.md   (issue 51: 2-bit keys)
 
 1. Attention error on captured queries and keys (study.capture, the llama.cpp docs; calibration statistics from
    the calibration text of `ott-gguf calibrate`, the docs from byte 300,000): the relative error of the attention
@@ -37,7 +38,7 @@ from ott_gguf._lib import llama_cpp_module
 from ott_gguf.calibrate import calibration_text
 from ott_gguf.kv_types import OttConfig
 from ott_gguf.quantizer import BlockFormat, dequantize, quantize
-from ott_gguf.reference import HeadState, key_widths, seal_group
+from ott_gguf.reference import K1_CLIP64, HeadState, KeyMix, key_widths, quantize_keys, seal_group
 
 from .capture import GgmlTensor, _ggml, _swa_layers, _tokenize, capture
 
@@ -91,9 +92,10 @@ def _attn_err(q: np.ndarray, k: np.ndarray, k_hat: np.ndarray, v: np.ndarray, sc
     return err
 
 
-def attention_errors(eval_npz: Path, calib_npz: Path) -> dict[str, float]:
-    """Part 1: relative attention error per allocation, summed over the served layers and KV heads."""
-    z, zc = np.load(eval_npz), np.load(calib_npz)
+def attention_errors(eval_npz: Path, calib_npz: Path, n_ctx: int | None = None) -> dict[str, float]:
+    """Part 1: relative attention error per allocation, summed over the served layers and KV heads (the first
+    n_ctx tokens of the capture; None: all of it)."""
+    z, zc = _Prefix(np.load(eval_npz), n_ctx), np.load(calib_npz)
     swa = {int(x) for x in z["meta_swa_layers"]}
     n_layer, scale = int(z["meta_n_layer"]), float(z["meta_attn_scale"])
     cfg = OttConfig(k_bits=3, k_mix=True, clip=False)
@@ -123,6 +125,112 @@ def attention_errors(eval_npz: Path, calib_npz: Path) -> dict[str, float]:
     return {n: float(e[0] / e[1]) for n, e in tot.items()}
 
 
+class _Prefix:
+    """A capture's q/k/v arrays cut to their first n tokens (a causal model: the same as a capture of n tokens
+    with the same ubatches), other entries as they are."""
+
+    def __init__(self, z: Any, n: int | None) -> None:
+        self.z, self.n = z, n
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        a = self.z[key]
+        if self.n is not None and key[:1] in "qkv" and key[1:].isdigit():
+            if len(a) < self.n:
+                raise ValueError(f"the capture holds {len(a)} tokens, {self.n} asked")
+            return a[: self.n]
+        return a
+
+
+# --------------------------------------------------------------------- 1b. 2-bit keys at long context (issue 51)
+
+
+def key_bits(bits: float, G: int, table: bool) -> float:
+    """Bits per key element of channel-wise key groups: codes, fp16 scale and min per channel and group of G
+    tokens, and a 2-bit width table per channel and group when the widths mix."""
+    return bits + 32 / G + (2 / G if table else 0)
+
+
+def two_bit_variants(clip1: int = K1_CLIP64) -> dict[str, tuple[OttConfig, KeyMix | None, float]]:
+    """{name: (config, key mix, bits per key element)}: the key quantizers compared at long context. Every one is
+    the reference's quantize_keys (clipped ranges as the cache's, K_CLIP64; 1-bit channels at clip1)."""
+    c2, c3 = OttConfig(outlier_num=0), OttConfig(k_bits=3, outlier_num=0)
+    return {
+        "uniform 2 (ott2 today)": (c2, None, key_bits(2, G, False)),
+        "k_mix 1/2/3, quarters": (c2, KeyMix(clip1=clip1), key_bits(2, G, True)),
+        "k_mix 1/2/3, quarters, 1-bit full range": (c2, KeyMix(clip1=64), key_bits(2, G, True)),
+        "k_mix 1/2/3, eighths": (c2, KeyMix(hi_div=8, clip1=clip1), key_bits(2, G, True)),
+        "k_mix 1/2/3, thirds": (c2, KeyMix(hi_div=3, clip1=clip1), key_bits(2, G, True)),
+        "k_mix 1/2/4 (1/4 at 1, 1/8 at 4)": (c2, KeyMix(hi=4, hi_div=8, clip1=clip1), key_bits(2, G, True)),
+        "k_mix 0/2/3 (1/8 mean only, 1/4 at 3)": (c2, KeyMix(lo=0, hi_div=4), key_bits(2, G, True)),
+        "uniform 2, G = 64": (c2.replace(G=64), None, key_bits(2, 64, False)),
+        "k_mix 1/2/3, quarters, G = 64": (c2.replace(G=64), KeyMix(clip1=clip1), key_bits(2, 64, True)),
+        "uniform 3 (ott3 keys)": (c3.replace(k_mix=False), None, key_bits(3, G, False)),
+        "k_mix 2/3/4 (ott3 keys today)": (c3, None, key_bits(3, G, True)),
+    }
+
+
+def _quantize_keys_with(k: np.ndarray, config: OttConfig, mix: KeyMix | None) -> np.ndarray:
+    """Keys (T, D) fp16 as the reference's sealing quantizes them (no outliers), group by group of config.G."""
+    g = config.G
+    T = len(k) - len(k) % g
+    return np.concatenate([quantize_keys(k[g0 : g0 + g], config, mix)[3] for g0 in range(0, T, g)])
+
+
+def two_bit_errors(
+    npz: Path, n_ctx: int | None, variants: dict[str, tuple[OttConfig, KeyMix | None, float]], q_last: int = Q_LAST
+) -> dict[str, tuple[float, np.ndarray]]:
+    """{variant: (relative attention error of the last q_last queries over the served layers and KV heads, the
+    same per (layer, KV head))}, keys only, over the first n_ctx tokens of a capture."""
+    z = _Prefix(np.load(npz), n_ctx)
+    swa = {int(x) for x in z["meta_swa_layers"]}
+    n_layer, scale = int(z["meta_n_layer"]), float(z["meta_attn_scale"])
+    tot = {n: np.zeros(2) for n in variants}
+    per: dict[str, list[float]] = {n: [] for n in variants}
+    for il in (i for i in range(n_layer) if i not in swa):
+        q, k, v = (z[f"{x}{il}"] for x in "qkv")
+        T = len(k) - len(k) % G
+        rep = q.shape[1] // k.shape[1]
+        for h in range(k.shape[1]):
+            kh16 = k[:T, h].astype(np.float16)
+            kh, vh = kh16.astype(np.float32), v[:T, h].astype(np.float32)
+            qh = q[:T, h * rep : (h + 1) * rep].astype(np.float32)
+            for n, (config, mix, _) in variants.items():
+                e = _attn_err_last(qh, kh, _quantize_keys_with(kh16, config, mix), vh, scale, q_last)
+                tot[n] += e
+                per[n].append(e[0] / e[1])
+    return {n: (float(e[0] / e[1]), np.asarray(per[n])) for n, e in tot.items()}
+
+
+def _attn_err_last(
+    q: np.ndarray, k: np.ndarray, k_hat: np.ndarray, v: np.ndarray, scale: float, q_last: int
+) -> np.ndarray:
+    """_attn_err for the last q_last query rows."""
+    T = len(k)
+    qp = np.arange(T - q_last, T)
+    mask = np.arange(T)[None, :] > qp[:, None]
+    err = np.zeros(2)
+    for h in range(q.shape[1]):
+        outs = []
+        for kk in (k, k_hat):
+            s = q[T - q_last :, h] @ kk.T * scale
+            s[mask] = -np.inf
+            p = np.exp(s - s.max(1, keepdims=True))
+            outs.append((p / p.sum(1, keepdims=True)) @ v)
+        err += [np.sum((outs[1] - outs[0]) ** 2), np.sum(outs[0] ** 2)]
+    return err
+
+
+CLIP1_GRID = (16, 20, 24, 28, 32, 36, 40, 44, 48, 56, 64)
+
+
+def clip1_errors(calib_npz: Path, grid: tuple[int, ...] = CLIP1_GRID) -> dict[int, float]:
+    """{clip1: relative attention error of k_mix 1/2/3 (quarters)} on the calibration split's capture (the last
+    1024 of its queries): where the 1-bit channels' clip constant comes from."""
+    c2 = OttConfig(outlier_num=0)
+    errs = two_bit_errors(calib_npz, None, {str(c): (c2, KeyMix(clip1=c), 0.0) for c in grid}, q_last=1024)
+    return {c: errs[str(c)][0] for c in grid}
+
+
 # ----------------------------------------------------------------------------- 2. end to end, eval callback
 
 
@@ -134,6 +242,7 @@ class _KeySealer:
         self.n_kv = n_kv
         self.names = {f"Kcur-{il}".encode(): il for il in served}
         self.config: OttConfig | None = None
+        self.mix: KeyMix | None = None  # the study option of reference.quantize_keys
         self.states: dict[tuple[int, int], HeadState] = {}
         self.error: BaseException | None = None
 
@@ -156,7 +265,7 @@ class _KeySealer:
                 p0 = st.n_pos
                 st.tail_pos = np.arange(p0, p0 + n, dtype=np.int64)
                 st.tail_k, st.tail_v = k16, np.zeros_like(k16)
-                seal_group(st, self.config, self.config.outliers_for_layer(il))
+                seal_group(st, self.config, self.config.outliers_for_layer(il), self.mix)
                 k_hat = st.groups[-1].k_hat.copy()
                 won = st.groups[-1].placeholders - p0
                 k_hat[won] = k16[won]
@@ -168,8 +277,14 @@ class _KeySealer:
             return False
 
 
-def end_to_end(name: str, chunks: int, variants: dict[str, OttConfig | None]) -> dict[str, tuple[float, float]]:
-    """Part 2: {variant: (mean KLD vs f16, top-1 %)} over `chunks` chunks of N_CTX tokens (second halves)."""
+Variant = OttConfig | tuple[OttConfig, KeyMix | None] | None
+
+
+def end_to_end(
+    name: str, chunks: int, variants: dict[str, Variant], n_ctx: int = N_CTX, threads: int = 2
+) -> dict[str, tuple[float, float]]:
+    """Part 2: {variant: (mean KLD vs f16, top-1 %)} over `chunks` chunks of n_ctx tokens (second halves).
+    A variant: a configuration, or one with a KeyMix (reference.quantize_keys's study option), None: exact keys."""
     lc = llama_cpp_module().llama_cpp
     _ggml()  # checks the ggml_tensor layout before any tensor is read
     path = models.fetch(name, quiet=True)
@@ -184,34 +299,35 @@ def end_to_end(name: str, chunks: int, variants: dict[str, OttConfig | None]) ->
         swa, _ = _swa_layers(lc, llm, arch, n_layer, max(0, lc.llama_model_n_swa(llm)))
         served = [il for il in range(n_layer) if il not in set(swa)]
         vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm))
-        toks = _tokenize(lc, llm, corpus.docs_text(), N_CTX * chunks, True)
+        toks = _tokenize(lc, llm, corpus.docs_text(), n_ctx * chunks, True)
         sealer = _KeySealer(n_kv, served)
         cb = lc.ggml_backend_sched_eval_callback(sealer)
         cp = lc.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = N_CTX
+        cp.n_ctx = cp.n_batch = n_ctx
         cp.n_ubatch, cp.n_seq_max = G, 1
-        cp.n_threads = cp.n_threads_batch = 2
+        cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cp.type_k = cp.type_v = 1  # f16
         cp.cb_eval, cp.cb_eval_user_data = cb, None
         ctx = lc.llama_init_from_model(llm, cp)
-        batch = lc.llama_batch_init(N_CTX, 0, 1)
-        first = N_CTX // 2
+        batch = lc.llama_batch_init(n_ctx, 0, 1)
+        first = n_ctx // 2
 
-        def run(c: int, config: OttConfig | None) -> np.ndarray:
-            sealer.config, sealer.states, sealer.error = config, {}, None
+        def run(c: int, variant: Variant) -> np.ndarray:
+            config, mix = variant if isinstance(variant, tuple) else (variant, None)
+            sealer.config, sealer.mix, sealer.states, sealer.error = config, mix, {}, None
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-            chunk = [toks[0], *toks[c * N_CTX + 1 : (c + 1) * N_CTX]]  # BOS first, as llama-perplexity
-            batch.n_tokens = N_CTX
+            chunk = [toks[0], *toks[c * n_ctx + 1 : (c + 1) * n_ctx]]  # BOS first, as llama-perplexity
+            batch.n_tokens = n_ctx
             for i, tok in enumerate(chunk):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = tok, i, 1, 0
-                batch.logits[i] = first - 1 <= i < N_CTX - 1
+                batch.logits[i] = first - 1 <= i < n_ctx - 1
             rc = lc.llama_decode(ctx, batch)
             if sealer.error is not None:
                 raise RuntimeError("eval callback failed") from sealer.error
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc}")
-            lg = np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(N_CTX - first, vocab)).astype(np.float64)
+            lg = np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(n_ctx - first, vocab)).astype(np.float64)
             lg -= lg.max(1, keepdims=True)
             return lg - np.log(np.exp(lg).sum(1, keepdims=True))
 
@@ -244,30 +360,102 @@ VARIANTS = {
 }
 
 
+TWO_BIT_E2E: dict[str, Variant] = {
+    "unquantized keys (check: 0)": None,
+    "ott2 keys (uniform 2)": OttConfig(k_bits=2),
+    "ott2 keys, k_mix 1/2/3": (OttConfig(k_bits=2), KeyMix()),
+    "ott3 keys, k_mix (today's ott3)": OttConfig(k_bits=3, k_mix=True),
+}
+
+
+def _captures(a: argparse.Namespace, name: str, n_ctx: int) -> tuple[Path, Path]:
+    """The evaluation capture of n_ctx tokens (the docs from byte 0) and the calibration capture (2048 tokens from
+    byte CALIB_OFFSET), captured when missing."""
+    ev, cal = a.captures / f"{name}-{n_ctx}.npz", a.captures / f"{name}-calib-2048.npz"
+    if not ev.exists():
+        capture(name, None, n_ctx, ev, n_threads=a.threads)
+    if not cal.exists():
+        capture(name, calibration_text(60_000), 2048, cal, n_threads=a.threads)
+    return ev, cal
+
+
+def two_bit(a: argparse.Namespace) -> str:
+    """Issue 51: 2-bit key quantizers at two contexts (part 1), the 1-bit clip on the calibration split, and
+    optionally part 2 end to end. Returns the tables as markdown."""
+    ctxs = [int(x) for x in a.n_ctx.split(",")]
+    parts: list[str] = []
+    for name in a.models.split(","):
+        t0 = time.time()
+        ev, cal = _captures(a, name, max(ctxs))
+        parts += [f"### {name}", ""]
+        if a.clip1:
+            ce = clip1_errors(cal)
+            best = min(ce, key=lambda c: ce[c])
+            parts += ["1-bit clip (k_mix 1/2/3, quarters; calibration split, 2048 tokens, last 1024 queries):", "",
+                      "| clip1 (64ths) | " + " | ".join(str(c) for c in ce) + " |",
+                      "|---|" + "---|" * len(ce),
+                      "| rel. attention error | " + " | ".join(
+                          f"**{e:.4f}**" if c == best else f"{e:.4f}" for c, e in ce.items()) + " |", ""]  # fmt: skip
+        res = {n_ctx: two_bit_errors(ev, n_ctx, two_bit_variants()) for n_ctx in ctxs}
+        base = {n: r["uniform 2 (ott2 today)"] for n, r in res.items()}
+        head = " | ".join(f"{n} tokens | vs uniform 2 | heads better" for n in ctxs)
+        parts += [f"Attention error, keys only (part 1b; last {Q_LAST} queries; bits per key element: codes, fp16 "
+                  "scale and min per channel and group, 2-bit width table where widths mix):", "",
+                  f"| keys | bits/key | {head} |", "|---|---|" + "---|---|---|" * len(ctxs)]  # fmt: skip
+        for v, (_, _, bits) in two_bit_variants().items():
+            cells = []
+            for n in ctxs:
+                e, per = res[n][v]
+                cells.append(f"{e:.4f} | {e / base[n][0]:.2f}x | {int((per < base[n][1]).sum())}/{len(per)}")
+            parts.append(f"| {v} | {bits:.3f} | " + " | ".join(cells) + " |")
+        parts += ["", f"({name}: part 1b in {time.time() - t0:.0f} s)", ""]
+        if a.chunks:
+            t0 = time.time()
+            e2e = end_to_end(name, a.chunks, TWO_BIT_E2E, a.e2e_ctx, a.threads)
+            ref = e2e["ott2 keys (uniform 2)"][0]
+            parts += [f"End to end, keys only, pessimistic (part 2; {a.chunks} chunk(s) of {a.e2e_ctx} tokens, "
+                      f"{time.time() - t0:.0f} s):", "",
+                      "| keys | mean KLD | vs ott2 keys | top-1 % |", "|---|---|---|---|"]  # fmt: skip
+            parts += [f"| {v} | {k:.5f} | {k / ref:.2f}x | {t:.2f} |" for v, (k, t) in e2e.items()]
+            parts.append("")
+        print("\n".join(parts), flush=True)
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/k-channel-widths.md"))
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--chunks", type=int, default=4, help="evaluation chunks of 2048 tokens (part 2)")
     ap.add_argument("--captures", type=Path, default=Path.home() / ".cache/ott-gguf/captures")
+    ap.add_argument("--two-bit", action="store_true", help="issue 51: 2-bit key quantizers (part 1b, --n-ctx)")
+    ap.add_argument("--n-ctx", default="4096", help="contexts of part 1 (--two-bit: comma list, e.g. 2048,8192)")
+    ap.add_argument("--e2e-ctx", type=int, default=N_CTX, help="tokens per chunk of part 2")
+    ap.add_argument("--clip1", action="store_true", help="--two-bit: measure the 1-bit clip (calibration split)")
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     t0 = time.time()
+    if a.two_bit:
+        body = two_bit(a)
+        cmd = " ".join(["python -m study.k_widths", *(argv if argv is not None else sys.argv[1:])])
+        a.out.write_text(
+            f"<!-- written by `{cmd}` on {platform.machine()} in {time.time() - t0:.0f} s, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} -->\n\n{body}\n"
+        )
+        return 0
     parts: list[str] = []
     for name in a.models.split(","):
-        ev, cal = a.captures / f"{name}-4096.npz", a.captures / f"{name}-calib-2048.npz"
-        if not ev.exists():
-            capture(name, None, 4096, ev)
-        if not cal.exists():
-            capture(name, calibration_text(60_000), 2048, cal)
-        errs = attention_errors(ev, cal)
+        n_ctx = int(a.n_ctx)
+        ev, cal = _captures(a, name, n_ctx)
+        errs = attention_errors(ev, cal, n_ctx)
         base = errs["uniform 3"]
         parts += [f"## {name}", "", "Attention error (keys only, part 1):", "",
                   "| allocation (3 bits per key on average; uniform 2/4 aside) | rel. attention error | vs uniform 3 |",
                   "|---|---|---|"]  # fmt: skip
         parts += [f"| {n} | {e:.4f} | {e / base:.2f}x |" for n, e in errs.items()]
-        e2e = end_to_end(name, a.chunks, {v: c for v, c in VARIANTS.items()})
+        e2e = end_to_end(name, a.chunks, dict(VARIANTS), a.e2e_ctx, a.threads)
         ref = e2e["ott3 keys"][0]
-        parts += ["", f"End to end, keys only, pessimistic (part 2; {a.chunks} chunks of {N_CTX} tokens):", "",
+        parts += ["", f"End to end, keys only, pessimistic (part 2; {a.chunks} chunks of {a.e2e_ctx} tokens):", "",
                   "| keys | mean KLD | vs ott3 keys | top-1 % |", "|---|---|---|---|"]  # fmt: skip
         parts += [f"| {v} | {k:.5f} | {k / ref:.2f}x | {t:.2f} |" for v, (k, t) in e2e.items()]
         parts.append("")
