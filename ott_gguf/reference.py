@@ -260,8 +260,9 @@ def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
 
 # Clip of the 1-bit channels of a KeyMix, in sixty-fourths of the group's range (the two levels sit at
 # min + range*(1-c)/2 and max - range*(1-c)/2). Measured on the calibration split's captured attention of both
-# test models with study.k_widths --clip1 (docs/long-context-keys.md), as docs/clipping.md measured K_CLIP64.
-K1_CLIP64 = 40
+# test models with study.k_widths --two-bit --clip1 (docs/long-context-keys.md), as docs/clipping.md measured
+# K_CLIP64: optima 20 (SmolLM2) and 12 (Gemma 3), each within 1% of its optimum at 16, the value between them.
+K1_CLIP64 = 16
 
 
 @dataclass(frozen=True)

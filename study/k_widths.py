@@ -152,21 +152,43 @@ def key_bits(bits: float, G: int, table: bool) -> float:
 
 def two_bit_variants(clip1: int = K1_CLIP64) -> dict[str, tuple[OttConfig, KeyMix | None, float]]:
     """{name: (config, key mix, bits per key element)}: the key quantizers compared at long context. Every one is
-    the reference's quantize_keys (clipped ranges as the cache's, K_CLIP64; 1-bit channels at clip1)."""
+    the reference's quantize_keys (clipped ranges as the cache's, K_CLIP64; 1-bit channels at clip1). The mixes
+    besides 1/2/3 in quarters were picked on the calibration split (mix_grid_errors), not on this text."""
     c2, c3 = OttConfig(outlier_num=0), OttConfig(k_bits=3, outlier_num=0)
     return {
         "uniform 2 (ott2 today)": (c2, None, key_bits(2, G, False)),
-        "k_mix 1/2/3, quarters": (c2, KeyMix(clip1=clip1), key_bits(2, G, True)),
-        "k_mix 1/2/3, quarters, 1-bit full range": (c2, KeyMix(clip1=64), key_bits(2, G, True)),
-        "k_mix 1/2/3, eighths": (c2, KeyMix(hi_div=8, clip1=clip1), key_bits(2, G, True)),
-        "k_mix 1/2/3, thirds": (c2, KeyMix(hi_div=3, clip1=clip1), key_bits(2, G, True)),
-        "k_mix 1/2/4 (1/4 at 1, 1/8 at 4)": (c2, KeyMix(hi=4, hi_div=8, clip1=clip1), key_bits(2, G, True)),
-        "k_mix 0/2/3 (1/8 mean only, 1/4 at 3)": (c2, KeyMix(lo=0, hi_div=4), key_bits(2, G, True)),
+        "k_mix 1/2/3 (1/4 at 1, 1/4 at 3)": (c2, KeyMix(clip1=clip1), key_bits(2, G, True)),
+        "k_mix 1/2/3, 1-bit at full range": (c2, KeyMix(clip1=64), key_bits(2, G, True)),
+        "k_mix 1/2/4 (1/3 at 1, 1/6 at 4)": (c2, KeyMix(hi=4, hi_div=6, clip1=clip1), key_bits(2, G, True)),
+        "k_mix 0/2/4 (1/4 mean only, 1/4 at 4)": (c2, KeyMix(lo=0, hi=4, hi_div=4), key_bits(2, G, True)),
+        "k_mix 0/2/3 (1/4 mean only, 1/2 at 3)": (c2, KeyMix(lo=0, hi_div=2), key_bits(2, G, True)),
         "uniform 2, G = 64": (c2.replace(G=64), None, key_bits(2, 64, False)),
-        "k_mix 1/2/3, quarters, G = 64": (c2.replace(G=64), KeyMix(clip1=clip1), key_bits(2, 64, True)),
-        "uniform 3 (ott3 keys)": (c3.replace(k_mix=False), None, key_bits(3, G, False)),
+        "uniform 3 (ott3 keys, no k_mix)": (c3.replace(k_mix=False), None, key_bits(3, G, False)),
         "k_mix 2/3/4 (ott3 keys today)": (c3, None, key_bits(3, G, True)),
     }
+
+
+# mixes at 2 bits on average tried on the calibration split (mix_grid_errors): lo/bits/hi, D // hi_div at hi bits
+MIX_GRID = {
+    "1/2/3, 1/4 at 3": KeyMix(),
+    "1/2/3, 1/8 at 3": KeyMix(hi_div=8),
+    "1/2/4, 1/16 at 4": KeyMix(hi=4, hi_div=16),
+    "1/2/4, 1/8 at 4": KeyMix(hi=4, hi_div=8),
+    "1/2/4, 1/6 at 4": KeyMix(hi=4, hi_div=6),
+    "1/2/4, 1/4 at 4": KeyMix(hi=4, hi_div=4),
+    "0/2/3, 1/4 at 3": KeyMix(lo=0, hi_div=4),
+    "0/2/3, 1/2 at 3": KeyMix(lo=0, hi_div=2),
+    "0/2/4, 1/8 at 4": KeyMix(lo=0, hi=4, hi_div=8),
+    "0/2/4, 1/4 at 4": KeyMix(lo=0, hi=4, hi_div=4),
+}
+
+
+def mix_grid_errors(calib_npz: Path) -> dict[str, float]:
+    """{mix: relative attention error} on the calibration split's capture (last 1024 queries), uniform 2 first."""
+    c2 = OttConfig(outlier_num=0)
+    v: dict[str, tuple[OttConfig, KeyMix | None, float]] = {"uniform 2": (c2, None, 0.0)}
+    v.update({n: (c2, m, 0.0) for n, m in MIX_GRID.items()})
+    return {n: e for n, (e, _) in two_bit_errors(calib_npz, None, v, q_last=1024).items()}
 
 
 def _quantize_keys_with(k: np.ndarray, config: OttConfig, mix: KeyMix | None) -> np.ndarray:
@@ -220,7 +242,7 @@ def _attn_err_last(
     return err
 
 
-CLIP1_GRID = (16, 20, 24, 28, 32, 36, 40, 44, 48, 56, 64)
+CLIP1_GRID = (8, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
 def clip1_errors(calib_npz: Path, grid: tuple[int, ...] = CLIP1_GRID) -> dict[int, float]:
@@ -364,6 +386,7 @@ TWO_BIT_E2E: dict[str, Variant] = {
     "unquantized keys (check: 0)": None,
     "ott2 keys (uniform 2)": OttConfig(k_bits=2),
     "ott2 keys, k_mix 1/2/3": (OttConfig(k_bits=2), KeyMix()),
+    "ott2 keys, k_mix 0/2/4": (OttConfig(k_bits=2), KeyMix(lo=0, hi=4, hi_div=4)),
     "ott3 keys, k_mix (today's ott3)": OttConfig(k_bits=3, k_mix=True),
 }
 
@@ -396,6 +419,12 @@ def two_bit(a: argparse.Namespace) -> str:
                       "|---|" + "---|" * len(ce),
                       "| rel. attention error | " + " | ".join(
                           f"**{e:.4f}**" if c == best else f"{e:.4f}" for c, e in ce.items()) + " |", ""]  # fmt: skip
+            me = mix_grid_errors(cal)
+            parts += ["Mixes at 2 bits per key on average (calibration split, 2048 tokens, last 1024 queries; "
+                      f"1-bit channels at clip {K1_CLIP64}/64):", "",
+                      "| keys | rel. attention error | vs uniform 2 |", "|---|---|---|"]  # fmt: skip
+            parts += [f"| {n} | {e:.4f} | {e / me['uniform 2']:.2f}x |" for n, e in me.items()]
+            parts.append("")
         res = {n_ctx: two_bit_errors(ev, n_ctx, two_bit_variants()) for n_ctx in ctxs}
         base = {n: r["uniform 2 (ott2 today)"] for n, r in res.items()}
         head = " | ".join(f"{n} tokens | vs uniform 2 | heads better" for n in ctxs)
@@ -409,6 +438,7 @@ def two_bit(a: argparse.Namespace) -> str:
                 cells.append(f"{e:.4f} | {e / base[n][0]:.2f}x | {int((per < base[n][1]).sum())}/{len(per)}")
             parts.append(f"| {v} | {bits:.3f} | " + " | ".join(cells) + " |")
         parts += ["", f"({name}: part 1b in {time.time() - t0:.0f} s)", ""]
+        print("\n".join(parts), flush=True)
         if a.chunks:
             t0 = time.time()
             e2e = end_to_end(name, a.chunks, TWO_BIT_E2E, a.e2e_ctx, a.threads)
