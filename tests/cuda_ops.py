@@ -19,6 +19,7 @@ from typing import Any
 
 import cffi
 import numpy as np
+import tool_cache
 
 from ott_gguf import reference as ref
 
@@ -89,16 +90,18 @@ def build_emu(src: Path, tags: list[str], out: Path) -> Path:
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the CUDA emulation"
     # -ffp-contract=off: the CUDA kernels' __f*_rn arithmetic is never fused
-    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared",
-                    "-I", str(src), *srcs, "-o", str(lib)], check=True)  # fmt: skip
+    res = tool_cache.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared",
+                          "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
     return lib
 
 
 def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "native") -> Path:
     lib = out / "libott_cuda_test.so"
     srcs = [str(src / f"ott2-cuda-{t}.cu") for t in tags]
-    subprocess.run(["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler",
-                    "-fPIC", "-I", str(src), *srcs, "-o", str(lib)], check=True)  # fmt: skip
+    res = tool_cache.run(["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler",
+                          "-fPIC", "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
     return lib
 
 

@@ -52,7 +52,8 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
         ["bash", str(ROOT / "native" / "tests" / "build-ott-bench.sh"), str(out), " ".join(BENCH_ARCHS)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHON": sys.executable},
+        # nvcc through the tests' compiler cache (tool_cache.py)
+        env={**os.environ, "PYTHON": sys.executable, "NVCC": f"{sys.executable} {ROOT / 'tests/tool_cache.py'} nvcc"},
     )
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     exe = out / "ott-bench"

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import tool_cache
 
 from helpers import ROOT, TEST_ALL, require_tool, rotate
 
@@ -27,9 +28,10 @@ CONFIGS = ["2:32", "2:64", "2:128", "3:64", "4:64", "2s:32:41", "2s:32", "2s:64:
 
 
 def run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
-    """The commands at once, one per core: nvcc runs on one core, and these tests compile independent units."""
+    """The commands at once, one per core: nvcc runs on one core, and these tests compile independent units. Through
+    the tests' compiler cache (tool_cache.py: a second run on this machine reuses the first one's results)."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), cmds))
+        return list(pool.map(tool_cache.run, cmds))
 
 
 def config_tag(spec: str) -> str:
@@ -57,7 +59,7 @@ def cuda_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) -> None:
     require_tool("nvcc", hint="the CUDA toolkit")
     obj = tmp_path / f"ott-{arch}.o"
-    res = subprocess.run(
+    res = tool_cache.run(
         [
             "nvcc",
             "-c",
@@ -70,8 +72,6 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
             "-o",
             str(obj),
         ],
-        capture_output=True,
-        text=True,
     )
     assert res.returncode == 0, res.stderr
     assert obj.stat().st_size > 0
@@ -97,8 +97,7 @@ def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
                          "-fPIC", "-Werror", "all-warnings", "-I", str(src), str(src / f"ott2-cuda-{t}.cu"), "-o",
                          str(o)] for t, o in zip(tags, objs, strict=True)]):  # fmt: skip
         assert res.returncode == 0, res.stderr[-4000:]
-    res = subprocess.run(["nvcc", "-shared", f"-arch={arch}", *map(str, objs), "-o", str(lib)], capture_output=True,
-                         text=True)  # fmt: skip
+    res = tool_cache.run(["nvcc", "-shared", f"-arch={arch}", *map(str, objs), "-o", str(lib)])
     assert res.returncode == 0, res.stderr[-4000:]
     syms = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
     for tag in tags:

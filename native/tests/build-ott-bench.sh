@@ -5,6 +5,7 @@
 # architecture) is kept next to the binary. The kernels' CPU emulation is linked in too (ott-bench --emu: the
 # harness's state and checks run without a GPU).
 #   bash native/tests/build-ott-bench.sh [OUT (build/cuda-bench)] [ARCHS ("75 80 86 89 90")]
+# NVCC: the nvcc command (the tests pass their compiler cache: python tests/tool_cache.py nvcc)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/build/cuda-bench}
@@ -19,7 +20,7 @@ G=$OUT/gen
 GENCODE=()
 for a in $ARCHS; do GENCODE+=(-gencode "arch=compute_$a,code=sm_$a"); done
 GENCODE+=(-gencode "arch=compute_${ARCHS##* },code=compute_${ARCHS##* }")
-if ! nvcc -O3 -std=c++17 "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
+if ! ${NVCC:-nvcc} -O3 -std=c++17 "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
      "$G/ott2-emu-k2v2g128x64.cpp" "$G/ott2-emu-k3mv2sg128x64.cpp" -o "$OUT/ott-bench" \
      2> "$OUT/ott-bench.ptxas.txt"; then
   grep -v "^ptxas info\|^    [0-9]* bytes stack" "$OUT/ott-bench.ptxas.txt" | tail -40 >&2
