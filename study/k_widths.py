@@ -409,9 +409,12 @@ def two_bit(a: argparse.Namespace) -> str:
     parts: list[str] = []
     for name in a.models.split(","):
         t0 = time.time()
-        ev, cal = _captures(a, name, max(ctxs))
         parts += [f"### {name}", ""]
-        if a.clip1:
+        if a.e2e_only:
+            ctxs = []
+        else:
+            ev, cal = _captures(a, name, max(ctxs))
+        if a.clip1 and ctxs:
             ce = clip1_errors(cal)
             best = min(ce, key=lambda c: ce[c])
             parts += ["1-bit clip (k_mix 1/2/3, quarters; calibration split, 2048 tokens, last 1024 queries):", "",
@@ -425,19 +428,20 @@ def two_bit(a: argparse.Namespace) -> str:
                       "| keys | rel. attention error | vs uniform 2 |", "|---|---|---|"]  # fmt: skip
             parts += [f"| {n} | {e:.4f} | {e / me['uniform 2']:.2f}x |" for n, e in me.items()]
             parts.append("")
-        res = {n_ctx: two_bit_errors(ev, n_ctx, two_bit_variants()) for n_ctx in ctxs}
-        base = {n: r["uniform 2 (ott2 today)"] for n, r in res.items()}
-        head = " | ".join(f"{n} tokens | vs uniform 2 | heads better" for n in ctxs)
-        parts += [f"Attention error, keys only (part 1b; last {Q_LAST} queries; bits per key element: codes, fp16 "
-                  "scale and min per channel and group, 2-bit width table where widths mix):", "",
-                  f"| keys | bits/key | {head} |", "|---|---|" + "---|---|---|" * len(ctxs)]  # fmt: skip
-        for v, (_, _, bits) in two_bit_variants().items():
-            cells = []
-            for n in ctxs:
-                e, per = res[n][v]
-                cells.append(f"{e:.4f} | {e / base[n][0]:.2f}x | {int((per < base[n][1]).sum())}/{len(per)}")
-            parts.append(f"| {v} | {bits:.3f} | " + " | ".join(cells) + " |")
-        parts += ["", f"({name}: part 1b in {time.time() - t0:.0f} s)", ""]
+        if ctxs:
+            res = {n_ctx: two_bit_errors(ev, n_ctx, two_bit_variants()) for n_ctx in ctxs}
+            base = {n: r["uniform 2 (ott2 today)"] for n, r in res.items()}
+            head = " | ".join(f"{n} tokens | vs uniform 2 | heads better" for n in ctxs)
+            parts += [f"Attention error, keys only (part 1b; last {Q_LAST} queries; bits per key element: codes, fp16 "
+                      "scale and min per channel and group, 2-bit width table where widths mix):", "",
+                      f"| keys | bits/key | {head} |", "|---|---|" + "---|---|---|" * len(ctxs)]  # fmt: skip
+            for v, (_, _, bits) in two_bit_variants().items():
+                cells = []
+                for n in ctxs:
+                    e, per = res[n][v]
+                    cells.append(f"{e:.4f} | {e / base[n][0]:.2f}x | {int((per < base[n][1]).sum())}/{len(per)}")
+                parts.append(f"| {v} | {bits:.3f} | " + " | ".join(cells) + " |")
+            parts += ["", f"({name}: part 1b in {time.time() - t0:.0f} s)", ""]
         print("\n".join(parts), flush=True)
         if a.chunks:
             t0 = time.time()
@@ -463,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-ctx", type=int, default=N_CTX, help="tokens per chunk of part 2")
     ap.add_argument("--clip1", action="store_true", help="--two-bit: measure the 1-bit clip (calibration split)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--e2e-only", action="store_true", help="--two-bit: part 2 only")
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.two_bit:
