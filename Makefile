@@ -67,6 +67,7 @@ test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \
 	  $(LCP_SERVER) "openai>=1.0" "gguf>=0.17" "pytest-xdist>=3.5"
 	$(BIN)/ott-gguf models
+	@echo "make test: installed and linted; pytest starts at $$(date +%T)"
 	cd tests && ../$(BIN)/pytest -q -p no:cacheprovider --durations=10 $(XDIST) $(PYTEST_ARGS)
 
 # every case of the test matrix (docs/testing.md): `make test` runs one case per kind, rotating with the commit

@@ -28,7 +28,7 @@ from native_build import built_lib
 
 from ott_gguf import reference as ref
 
-from helpers import keys_values, pack_group
+from helpers import keys_values, pack_group, rotate
 
 # (K bits, V bits, G, Gv[, k_mix[, v_sym]]) of the rendered head configs
 HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64), (3, 2, 128, 64, True),
@@ -351,7 +351,9 @@ def perplexity_kld(model: Path, text: Path, base: Path, kv: str, env: dict[str, 
     return float(kld.group(1)), float(top.group(1)) / 100, out
 
 
-@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+# one model per run, in turn (helpers.rotate; make test-all: both): each run checks the emulated CUDA path through a
+# whole model; SmolLM2 (D 64, GQA) and Gemma 3 (D 256, sliding-window layers beside) alternate
+@pytest.mark.parametrize("model_name", rotate(["smollm2", "gemma3"]))
 def test_emulated_cuda_path_inside_the_model(model_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The whole CUDA path's logic in the real graph: the test library ott_cuda_emu, preloaded into
     llama-perplexity, makes ggml-cpu run the CUDA kernels' emulation (its ott2 ops hook, ggml_ott_cpu_set_impl)
