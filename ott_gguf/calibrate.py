@@ -31,6 +31,11 @@ from .kv_types import OTT_KV_TYPES, OttConfig, format_layer_widths, kv_type_bits
 CALIB_OFFSET = 300_000  # bytes of the concatenated docs skipped: evaluation text stays out of calibration
 Widths = tuple[int, int]
 BITS_CTX = 8192  # the context the report gives bits per element at (issue 12's targets are at 8k)
+# the contexts `calibrate` picks from when none is given, longest first: a calibration made at 2048 tokens loses most
+# of its gain at 8192 (docs/long-context.md), so it is made at the longest the model was trained for whose runs fit
+# the time allowed (max_minutes)
+AUTO_CONTEXTS = (8192, 4096, 2048)
+PROBE_SIZES = (256, 512, 1024)  # tokens of the timing probe's single-chunk runs
 
 
 def perplexity_numbers(out: str) -> dict[str, float]:
@@ -237,6 +242,51 @@ def ott_layers(model: Path, kv_type: str) -> list[int]:
         llm.close()
 
 
+def fit_seconds(sizes: Sequence[int], seconds: Sequence[float]) -> Callable[[int], float]:
+    """t(n) = c + a n + b n^2 through three timed runs (a run's load, its per-token work, its attention), the
+    coefficients kept >= 0 (a negative one from timing noise is dropped and the rest refitted): a chunk's time at
+    another context, an estimate."""
+    import numpy as np
+
+    x = np.asarray(sizes, np.float64)
+    y = np.asarray(seconds, np.float64)
+    cols = [np.ones_like(x), x, x * x]
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in keep], 1), y, rcond=None)
+        neg = [k for k, c in zip(keep, coef, strict=True) if c < 0]
+        if not neg or len(keep) == 1:
+            break
+        keep.remove(neg[0])
+    full = [0.0, 0.0, 0.0]
+    for k, c in zip(keep, coef, strict=True):
+        full[k] = max(float(c), 0.0)
+    return lambda n: full[0] + full[1] * n + full[2] * n * n
+
+
+def planned_runs(n_blocks: int) -> int:
+    """llama-perplexity runs of a calibration: f16 logits, the base pair, each block up and down, the chosen widths."""
+    return 3 + 2 * n_blocks
+
+
+def estimate_seconds(f16: Callable[[int], float], ott: Callable[[int], float], n_ctx: int, chunks: int,
+                     n_blocks: int) -> float:  # fmt: skip
+    """The calibration's time at n_ctx: one f16 run and the ott runs, each of `chunks` chunks."""
+    return chunks * (f16(n_ctx) + (planned_runs(n_blocks) - 1) * ott(n_ctx))
+
+
+def choose_context(estimate: Callable[[int], float], n_ctx_train: int | None, max_seconds: float) -> tuple[int, str]:
+    """(context, why): the longest of AUTO_CONTEXTS the model was trained for whose estimate fits max_seconds, else
+    the shortest."""
+    fits = [n for n in AUTO_CONTEXTS if n_ctx_train is None or n <= n_ctx_train]
+    if not fits:
+        return AUTO_CONTEXTS[-1], f"the model's training context is {n_ctx_train} tokens"
+    for n in fits:
+        if estimate(n) <= max_seconds:
+            return n, f"the longest of {'/'.join(map(str, AUTO_CONTEXTS))} that fits {_duration(max_seconds)}"
+    return fits[-1], f"none of {'/'.join(map(str, fits))} fits {_duration(max_seconds)}: the shortest"
+
+
 def calibrate(
     model: Path,
     kv_type: str = "ott3/ott2",
@@ -244,13 +294,16 @@ def calibrate(
     down: str = "2/2",
     n_blocks: int = 10,
     chunks: int = 2,
-    n_ctx: int = 2048,
+    n_ctx: int | None = None,
     threads: int = 2,
     budget: float = 1.0,
     max_bits: float | None = None,
     ott_config: OttConfig | None = None,
     log: Callable[[str], None] = print,
+    max_minutes: float = 60.0,
 ) -> Calibration:
+    """n_ctx None: the longest of AUTO_CONTEXTS the model was trained for whose estimated time (timed probe runs at
+    PROBE_SIZES tokens, extrapolated) fits max_minutes. The estimate is logged before the runs either way."""
     from ._lib import bin_path
 
     k, v = resolve_kv_types(kv_type)
@@ -261,6 +314,10 @@ def calibrate(
         raise ValueError(f"up ({up}) must hold more code bits than the base pair and down ({down}) fewer")
     if n_blocks < 1:
         raise ValueError(f"blocks must be at least 1, got {n_blocks}")
+    if n_ctx is not None and n_ctx < 64:
+        raise ValueError(f"n_ctx must be at least 64 tokens, got {n_ctx}")
+    if max_minutes <= 0:
+        raise ValueError(f"max_minutes must be positive, got {max_minutes:g}")
     if not (0.5 <= budget <= 2.0):
         raise ValueError(f"budget is a fraction of the base pair's code bits in [0.5, 2], got {budget:g}")
     if max_bits is not None and budget != 1.0:
@@ -285,13 +342,28 @@ def calibrate(
     groups = [tuple(layers[bounds[i] : bounds[i + 1]]) for i in range(n_blocks)]
     commands: list[str] = []
     # llama-perplexity runs: f16 logits, the base pair, each block up and down, the chosen widths
-    planned = 3 + 2 * len(groups)
+    planned = planned_runs(len(groups))
     start = time.monotonic()
+    info = model_info(model)
+    if n_ctx is not None and info.n_ctx_train is not None and n_ctx > info.n_ctx_train:
+        raise ValueError(f"n_ctx {n_ctx} is beyond {model.name}'s training context ({info.n_ctx_train} tokens)")
+    f16_t, ott_t = _probe(model, k, v, params, threads)
+    estimate = lambda n: estimate_seconds(f16_t, ott_t, n, chunks, len(groups))  # noqa: E731
+    if n_ctx is None:
+        n_ctx, why = choose_context(estimate, info.n_ctx_train, 60.0 * max_minutes)
+        log(f"calibrating at {n_ctx} tokens per chunk ({why}; --n-ctx chooses)")
+    log(f"estimated time: about {_duration(estimate(n_ctx))} (timed probe runs of "
+        f"{'/'.join(map(str, PROBE_SIZES))} tokens, extrapolated; an estimate)")  # fmt: skip
+
+    run_start = time.monotonic()
+    ott_seconds: list[float] = []
 
     def progress(what: str) -> str:
         done = len(commands)
-        spent = time.monotonic() - start
-        left = spent / done * max(planned - done, 0) if done else 0.0
+        spent = time.monotonic() - run_start
+        # the runs left are ott runs: their own mean so far, else the probe's estimate of one
+        per = sum(ott_seconds) / len(ott_seconds) if ott_seconds else chunks * ott_t(n_ctx)
+        left = per * max(planned - done, 0)
         return f"[{done}/{planned}, {_duration(spent)} spent, about {_duration(left)} left] {what}"
 
     log(f"calibrating {model.name}: {planned} runs of llama-perplexity ({chunks} chunk(s) of {n_ctx} tokens, "
@@ -307,7 +379,10 @@ def calibrate(
         def run(args: list[str], what: str) -> dict[str, float] | None:
             cmd = [*common, *args]
             commands.append(" ".join(cmd))
+            t0 = time.monotonic()
             r = subprocess.run(cmd, capture_output=True, text=True)
+            if "-ctk" in args and args[args.index("-ctk") + 1] != "f16":
+                ott_seconds.append(time.monotonic() - t0)
             if r.returncode != 0:
                 raise RuntimeError(f"llama-perplexity failed ({what}):\n{r.stderr[-3000:]}")
             return None if "--kl-divergence" not in args else perplexity_numbers(r.stdout + r.stderr)
@@ -361,6 +436,30 @@ def calibrate(
 def _duration(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _probe(model: Path, k: str, v: str, params: list[str], threads: int) -> tuple[Callable[[int], float], ...]:
+    """Seconds per chunk at any context for the f16 reference and the K/V pair, from single-chunk llama-perplexity
+    runs at PROBE_SIZES tokens (fit_seconds)."""
+    from ._lib import bin_path
+
+    times: dict[str, list[float]] = {"f16": [], "ott": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "probe.txt"
+        text.write_text(calibration_text(max(PROBE_SIZES) * 8))
+        for n in PROBE_SIZES:
+            for name, kk, vv in (("f16", "f16", "f16"), ("ott", k, v)):
+                cmd = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(n), "-b",
+                       str(n), "-ub", "512", "--chunks", "1", "-t", str(threads), "-fa", "on", "-ctk", kk, "-ctv", vv,
+                       *(params if name == "ott" else [])]  # fmt: skip
+                t0 = time.monotonic()
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(
+                        f"llama-perplexity failed (timing probe, {name}, {n} tokens):\n{r.stderr[-3000:]}"
+                    )
+                times[name].append(time.monotonic() - t0)
+    return fit_seconds(PROBE_SIZES, times["f16"]), fit_seconds(PROBE_SIZES, times["ott"])
 
 
 def plan_within_bits(

@@ -303,7 +303,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--out {out}: no such directory {out.parent}")
     cal = calibrate(path, kv_type=kv_type, up=args.up, down=args.down, n_blocks=args.blocks, chunks=args.chunks,
                     n_ctx=args.n_ctx, threads=args.threads, budget=args.budget, max_bits=args.max_bits,
-                    ott_config=cfg, log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+                    ott_config=cfg, log=lambda line: print(line, file=sys.stderr, flush=True),
+                    max_minutes=args.max_minutes)  # fmt: skip
     print(cal.report())
     sha = model_sha256(path)
     command = shlex.join(["ott-gguf", *args.argv])
@@ -597,7 +598,16 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-bits", type=float, default=None,
                    help="or: bits per K/V element allowed at 8k tokens, by the caches' bytes (e.g. 3.2)")  # fmt: skip
     k.add_argument("--chunks", type=int, default=2, help="llama-perplexity chunks of calibration text (default 2)")
-    k.add_argument("--n-ctx", type=int, default=2048, help="tokens per chunk (default 2048)")
+    k.add_argument(
+        "--n-ctx",
+        type=int,
+        default=None,
+        help="tokens per chunk (default: the longest of 8192/4096/2048 the model was trained for whose "
+        "estimated time fits --max-minutes; a calibration holds best at the context it was made at)",
+    )
+    k.add_argument("--max-minutes", type=float, default=60.0,
+                   help="time allowed when choosing the context (default 60; the estimate comes from short timed "
+                        "runs and is printed before the calibration starts)")  # fmt: skip
     k.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads")
     k.add_argument("--out", metavar="FILE",
                    help="write the calibration here (default: the user cache, <cache>/calibrations/<sha256>.json, "

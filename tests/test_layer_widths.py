@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 
 from ott_gguf import Llama, OttConfig, _lib
-from ott_gguf.calibrate import Block, best_plan, cache_bits, calibrate, plan_within_bits
+from ott_gguf.calibrate import (
+    Block,
+    best_plan,
+    cache_bits,
+    calibrate,
+    choose_context,
+    estimate_seconds,
+    fit_seconds,
+    plan_within_bits,
+)
 from ott_gguf.kv_types import parse_layer_widths
 from ott_gguf.reference import OttCache, effective_bits
 from ott_gguf.server import server_command
@@ -318,3 +327,26 @@ def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
         calibrate(smollm2, kv_type="ott3/ott2", up="5/3")
     with pytest.raises(ValueError, match="chooses layer_widths itself"):
         calibrate(smollm2, kv_type="ott3/ott2", ott_config=OttConfig(layer_widths="0:3/3"))
+    with pytest.raises(ValueError, match="n_ctx must be at least 64"):
+        calibrate(smollm2, kv_type="ott3/ott2", n_ctx=16)
+    with pytest.raises(ValueError, match="max_minutes must be positive"):
+        calibrate(smollm2, kv_type="ott3/ott2", max_minutes=0)
+    with pytest.raises(ValueError, match=r"n_ctx 65536 is beyond .*training context \(8192 tokens\)"):
+        calibrate(smollm2, kv_type="ott3/ott2", n_ctx=65536)
+
+
+def test_calibration_time_estimate_and_context_choice() -> None:
+    """The probe's fit: t = c + a n + b n^2 through three timed runs, exact for such a curve, never negative from
+    noisy times; the context: the longest of 8192/4096/2048 within the model's training context whose estimate
+    fits the time allowed, else the shortest, saying why."""
+    t = fit_seconds([256, 512, 1024], [1 + 0.01 * n + 1e-5 * n * n for n in (256, 512, 1024)])
+    assert t(8192) == pytest.approx(1 + 81.92 + 1e-5 * 8192**2)
+    noisy = fit_seconds([256, 512, 1024], [2.0, 1.9, 2.1])  # a load time and noise
+    assert all(noisy(n) >= 0 for n in (256, 2048, 8192)) and noisy(8192) >= noisy(2048)
+    # the calibration: one f16 run and 3 + 2 * blocks - 1 ott runs, each of `chunks` chunks
+    assert estimate_seconds(lambda n: 10.0, lambda n: 1.0, 2048, 2, 10) == 2 * (10 + 22)
+    assert choose_context(lambda n: n / 10, None, 500) == (4096, "the longest of 8192/4096/2048 that fits 8m20s")
+    assert choose_context(lambda n: n / 10, 2048, 5000)[0] == 2048  # a model trained at 2k
+    n, why = choose_context(lambda n: n, 32768, 60)
+    assert n == 2048 and why.startswith("none of 8192/4096/2048 fits")
+    assert choose_context(lambda n: 0.0, 1024, 60) == (2048, "the model's training context is 1024 tokens")
