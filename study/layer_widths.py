@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.models.split(","):
         path = models.fetch(name, quiet=True)
         print(f"{name}: calibration", file=sys.stderr, flush=True)
-        cal = calibrate(path, kv_type="ott3/ott2", chunks=a.calib_chunks, threads=a.threads,
+        cal = calibrate(path, kv_type="ott3/ott2", chunks=a.calib_chunks, n_ctx=2048, threads=a.threads,
                         log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
         log += cal.commands
         tiers = [Tier("q4_0", "q4_0"), Tier("ott3", "ott2", True)]
