@@ -37,13 +37,22 @@ apt-build:
 apt-test:
 	$(call apt_ensure,$(APT_TEST))
 
+# The CMake build directory lives outside the clone, one per clone path (a hash of it), so that a fresh clone at
+# the same path (CI's) rebuilds only what changed: an ordinary incremental build (the patched llama.cpp tree and the
+# generated files are rewritten only when their content changes, gen/generate.py removes the files it no longer
+# generates), where a build inside the clone regenerated ggml-vulkan's shaders every time (minutes; ccache does not
+# cache them). OTT_BUILD_DIR=build keeps it in the tree; `make clean` removes it.
+OTT_CACHE_DIR ?= $(or $(OTT_GGUF_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ott-gguf)
+OTT_BUILD_DIR ?= $(OTT_CACHE_DIR)/build/$(shell printf %s "$(CURDIR)" | sha256sum | cut -c1-16)
+
 # llama-cpp-python is installed as the Python layer only (LLAMA_BUILD=OFF): llama.cpp is compiled once,
 # patched, by this project's CMakeLists.txt, and installed into ott_gguf/lib and ott_gguf/bin.
 install: apt-build $(BIN)/python
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) install -q "$(LCP)"
 	$(PIP) install -q "scikit-build-core>=0.10" "jinja2>=3.1"
 	@echo "building the patched llama.cpp (about 5 minutes on 2 cores the first time)"
-	$(PIP) install -q --no-build-isolation $(PIP_INSTALL_ARGS) .
+	@echo "build directory: $(OTT_BUILD_DIR)"
+	$(PIP) install -q --no-build-isolation -Cbuild-dir="$(OTT_BUILD_DIR)/{wheel_tag}" $(PIP_INSTALL_ARGS) .
 
 models: install
 	$(BIN)/ott-gguf models
@@ -87,4 +96,4 @@ cuda-bench:
 	bash native/tests/build-ott-bench.sh build/cuda-bench
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) "$(OTT_BUILD_DIR)"

@@ -347,13 +347,15 @@ def calibrate(
     info = model_info(model)
     if n_ctx is not None and info.n_ctx_train is not None and n_ctx > info.n_ctx_train:
         raise ValueError(f"n_ctx {n_ctx} is beyond {model.name}'s training context ({info.n_ctx_train} tokens)")
-    f16_t, ott_t = _probe(model, k, v, params, threads)
+    # a context told: one chunk of each kind at that context times the runs exactly (two short runs instead of
+    # six); otherwise the probe sizes, extrapolated to the candidate contexts
+    f16_t, ott_t = _probe(model, k, v, params, threads, PROBE_SIZES if n_ctx is None else (n_ctx,))
     estimate = lambda n: estimate_seconds(f16_t, ott_t, n, chunks, len(groups))  # noqa: E731
+    how = f"{'/'.join(map(str, PROBE_SIZES))} tokens, extrapolated" if n_ctx is None else f"{n_ctx} tokens"
     if n_ctx is None:
         n_ctx, why = choose_context(estimate, info.n_ctx_train, 60.0 * max_minutes)
         log(f"calibrating at {n_ctx} tokens per chunk ({why}; --n-ctx chooses)")
-    log(f"estimated time: about {_duration(estimate(n_ctx))} (timed probe runs of "
-        f"{'/'.join(map(str, PROBE_SIZES))} tokens, extrapolated; an estimate)")  # fmt: skip
+    log(f"estimated time: about {_duration(estimate(n_ctx))} (timed probe runs of {how}; an estimate)")
 
     run_start = time.monotonic()
     ott_seconds: list[float] = []
@@ -438,16 +440,18 @@ def _duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def _probe(model: Path, k: str, v: str, params: list[str], threads: int) -> tuple[Callable[[int], float], ...]:
-    """Seconds per chunk at any context for the f16 reference and the K/V pair, from single-chunk llama-perplexity
-    runs at PROBE_SIZES tokens (fit_seconds)."""
+def _probe(
+    model: Path, k: str, v: str, params: list[str], threads: int, sizes: Sequence[int]
+) -> tuple[Callable[[int], float], ...]:
+    """Seconds per chunk for the f16 reference and the K/V pair, from single-chunk llama-perplexity runs at `sizes`
+    tokens: fit_seconds through three sizes (any context), a run's own time for one size (that context only)."""
     from ._lib import bin_path
 
     times: dict[str, list[float]] = {"f16": [], "ott": []}
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "probe.txt"
-        text.write_text(calibration_text(max(PROBE_SIZES) * 8))
-        for n in PROBE_SIZES:
+        text.write_text(calibration_text(max(sizes) * 8))
+        for n in sizes:
             for name, kk, vv in (("f16", "f16", "f16"), ("ott", k, v)):
                 cmd = [str(bin_path("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(n), "-b",
                        str(n), "-ub", "512", "--chunks", "1", "-t", str(threads), "-fa", "on", "-ctk", kk, "-ctv", vv,
@@ -459,7 +463,10 @@ def _probe(model: Path, k: str, v: str, params: list[str], threads: int) -> tupl
                         f"llama-perplexity failed (timing probe, {name}, {n} tokens):\n{r.stderr[-3000:]}"
                     )
                 times[name].append(time.monotonic() - t0)
-    return fit_seconds(PROBE_SIZES, times["f16"]), fit_seconds(PROBE_SIZES, times["ott"])
+    if len(sizes) == 1:
+        f16_s, ott_s = times["f16"][0], times["ott"][0]
+        return (lambda n: f16_s), (lambda n: ott_s)
+    return fit_seconds(sizes, times["f16"]), fit_seconds(sizes, times["ott"])
 
 
 def plan_within_bits(

@@ -149,6 +149,18 @@ def test_generator_is_deterministic_and_parametric(tmp_path: Path) -> None:
                 assert f"ott_k{kb}v{vb}g128x{group}_seal" in table
     bad = gen(tmp_path / "bad", "kernels", "--heads", "5:128:64")
     assert bad.returncode != 0 and "bits must be one of" in bad.stderr
+    # a build directory kept between builds (Makefile OTT_BUILD_DIR): a kernel file an earlier generator made and
+    # this one does not is removed (CMake globs the Vulkan kernels); a file the generator did not write is kept
+    out = tmp_path / "a64"
+    stale, built, mtime = out / "ott2-vk-k9v9g128x64-seal.comp", out / "ott2-vk-x.spv.inc", {}
+    stale.write_text((out / "ott2-vk-attn_merge.comp").read_text())
+    built.write_text("// compiled from a .comp\n")
+    for f in out.iterdir():
+        mtime[f.name] = f.stat().st_mtime_ns
+    assert gen(out, "ggml", "--group", "64").returncode == 0
+    assert not stale.exists() and built.exists()
+    # and the files it does make are left alone when unchanged (an incremental build recompiles nothing)
+    assert all(f.stat().st_mtime_ns == mtime[f.name] for f in out.iterdir())
 
 
 def test_generator_and_reference_clip_tables_agree() -> None:
