@@ -128,7 +128,7 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
     ops_syms = ""
-    # the 16 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
+    # the 20 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
     # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
     # checks below) and on this one under make test-all
     ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
