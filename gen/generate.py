@@ -32,8 +32,9 @@ HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 
 # Plane decomposition of a code: 2 -> one 2-bit plane, 3 -> 2-bit + 1-bit, 4 -> one 4-bit plane; 1 -> one 1-bit
-# plane (the 1-bit K channels of 2-bit k_mix only: no cache type has 1-bit codes). Each plane packs 8/w codes per byte, strided: element j sits in byte j % nbytes at bit w*(j // nbytes),
-# so a vector of nbytes bytes shifted by w*k yields nbytes consecutive codes.
+# plane (the 1-bit K channels of 2-bit k_mix only: no cache type has 1-bit codes). Each plane packs 8/w codes per
+# byte, strided: element j sits in byte j % nbytes at bit w*(j // nbytes), so a vector of nbytes bytes shifted by
+# w*k yields nbytes consecutive codes.
 PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 # avx512vnni: the avx512 rendering built with VNNI (dpbusd for the scores, the integer V pass), which the test
 # library checks apart from avx512 without it (the fallbacks); a llama build takes whichever -march=native gives
@@ -294,8 +295,6 @@ def write_if_different(path: Path, text: str) -> bool:
 
 def render(e: jinja2.Environment, template: str, params: str, **kw: object) -> str:
     return header(template, params) + e.get_template(template).render(**kw)
-
-
 
 
 def build_heads(G: int, Gv: int) -> list[HeadConfig]:

@@ -93,7 +93,8 @@ def loaded_library_path() -> str:
 
 
 class LlamaOttConfig(ctypes.Structure):
-    """struct llama_ott_config: int32 fields (v_rotate, v_sym 0 or 1, k_mix 0, 1 or 2), then layer_widths, one byte per layer
+    """struct llama_ott_config: int32 fields (v_rotate, v_sym 0 or 1, k_mix 0, 1 or 2), then layer_widths, one byte
+    per layer
     (0: the K/V types' widths, else K bits * 16 + V bits)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS] + [

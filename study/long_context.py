@@ -54,7 +54,8 @@ def tier_of(spec: str, model: str) -> Tier:
     g, r, o, aux, nol, vrot, kmix, vsym = (int(x) for x in params.split(","))
     if g != 128:
         raise ValueError(f"tier {spec!r}: G is 128 in this build")
-    return Tier(k, v, bool(vrot), layers=layers, k_mix=bool(kmix) if kmix < 2 else kmix, v_sym=bool(vsym), R=r, outliers=o, aux=aux, nol=nol)
+    return Tier(k, v, bool(vrot), layers=layers, k_mix=bool(kmix) if kmix < 2 else kmix, v_sym=bool(vsym), R=r,
+                outliers=o, aux=aux, nol=nol)  # fmt: skip
 
 
 DEFAULT_TIERS: dict[str, Tier] = {

@@ -171,7 +171,8 @@ def test_generator_and_reference_clip_tables_agree() -> None:
     from ott_gguf.reference import K1_CLIP64
 
     mixed = gen.HeadConfig(2, 2, 128, 64, True)
-    assert [(f.bits, f.clip) for f in mixed.k_formats] == [(1, K1_CLIP64), (2, quantizer.K_CLIP64[2]), (3, quantizer.K_CLIP64[3])]
+    clips = [(f.bits, f.clip) for f in mixed.k_formats]
+    assert clips == [(1, K1_CLIP64), (2, quantizer.K_CLIP64[2]), (3, quantizer.K_CLIP64[3])]
     assert gen.PLANES[1] == quantizer.PLANE_WIDTHS[1] == (1,) and gen.WIDTHS == (2, 3, 4)
     assert mixed.k_group_bytes(64) == 64 * gen.HeadConfig(2, 2, 128, 64).k.block_bytes + 16
 

@@ -197,7 +197,8 @@ def v_sym_bytes(info: ModelInfo) -> int:
 
 # (field, the cache type whose bytes it changes, the one it leaves alone, the bytes on minus off)
 # (k_mix 2: on is 2, off is 1, the default, which leaves 2-bit keys alone)
-SWITCHES = [("k_mix", "ott3/ott2", "ott2", k_mix_bytes, True, False), ("v_sym", "ott3/ott2", "ott3", v_sym_bytes, True, False),
+SWITCHES = [("k_mix", "ott3/ott2", "ott2", k_mix_bytes, True, False),
+            ("v_sym", "ott3/ott2", "ott3", v_sym_bytes, True, False),
             ("k_mix", "ott2", "ott3", k_mix2_bytes, 2, True)]  # fmt: skip
 
 
@@ -230,7 +231,8 @@ def test_a_format_switch_reaches_the_cache_and_its_state(
     same.eval(doc_tokens[200:201])
     np.testing.assert_array_equal(last_logits(same), logits[True])
     off = Llama(str(smollm2), kv_type=kv_type, ott_config={field: off_value}, n_ctx=N_CTX, verbose=False)
-    with pytest.raises(ValueError, match=rf"configuration: {field}={int(on_value)}, this cache has {field}={int(off_value)}"):
+    refused = rf"configuration: {field}={int(on_value)}, this cache has {field}={int(off_value)}"
+    with pytest.raises(ValueError, match=refused):
         off.load_state(states[True])
     two = [Llama(str(smollm2), kv_type=untouched, ott_config={field: value}, n_ctx=N_CTX, verbose=False)
            for value in (on_value, off_value)]  # fmt: skip
