@@ -77,19 +77,7 @@ def _quant_keys(k: np.ndarray, widths_of: Callable[[np.ndarray], np.ndarray]) ->
 def _attn_err(q: np.ndarray, k: np.ndarray, k_hat: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """(squared error, squared norm) of the attention outputs of the last Q_LAST query rows q (n, heads, D),
     causal over keys k / k_hat (T, D) and values v."""
-    T = len(k)
-    qp = np.arange(T - Q_LAST, T)
-    mask = np.arange(T)[None, :] > qp[:, None]
-    err = np.zeros(2)
-    for h in range(q.shape[1]):
-        outs = []
-        for kk in (k, k_hat):
-            s = q[T - Q_LAST :, h] @ kk.T * scale
-            s[mask] = -np.inf
-            p = np.exp(s - s.max(1, keepdims=True))
-            outs.append((p / p.sum(1, keepdims=True)) @ v)
-        err += [np.sum((outs[1] - outs[0]) ** 2), np.sum(outs[0] ** 2)]
-    return err
+    return _attn_err_last(q, k, k_hat, v, scale, Q_LAST)
 
 
 def attention_errors(eval_npz: Path, calib_npz: Path, n_ctx: int | None = None) -> dict[str, float]:
@@ -226,7 +214,8 @@ def two_bit_errors(
 def _attn_err_last(
     q: np.ndarray, k: np.ndarray, k_hat: np.ndarray, v: np.ndarray, scale: float, q_last: int
 ) -> np.ndarray:
-    """_attn_err for the last q_last query rows."""
+    """(squared error, squared norm) of the attention outputs of the last q_last query rows q (n, heads, D),
+    causal over keys k / k_hat (T, D) and values v."""
     T = len(k)
     qp = np.arange(T - q_last, T)
     mask = np.arange(T)[None, :] > qp[:, None]
