@@ -31,10 +31,11 @@ import jinja2
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 
-# Plane decomposition of a code: 2 -> one 2-bit plane, 3 -> 2-bit + 1-bit, 4 -> one 4-bit plane.
-# Each plane packs 8/w codes per byte, strided: element j sits in byte j % nbytes at bit w*(j // nbytes),
-# so a vector of nbytes bytes shifted by w*k yields nbytes consecutive codes.
-PLANES = {2: (2,), 3: (2, 1), 4: (4,)}
+# Plane decomposition of a code: 2 -> one 2-bit plane, 3 -> 2-bit + 1-bit, 4 -> one 4-bit plane; 1 -> one 1-bit
+# plane (the 1-bit K channels of 2-bit k_mix only: no cache type has 1-bit codes). Each plane packs 8/w codes per
+# byte, strided: element j sits in byte j % nbytes at bit w*(j // nbytes), so a vector of nbytes bytes shifted by
+# w*k yields nbytes consecutive codes.
+PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 # avx512vnni: the avx512 rendering built with VNNI (dpbusd for the scores, the integer V pass), which the test
 # library checks apart from avx512 without it (the fallbacks); a llama build takes whichever -march=native gives
 ISAS = {"x86_64": ("scalar", "avx2", "avx512", "avx512vnni"), "aarch64": ("scalar", "neon")}
@@ -46,12 +47,14 @@ ISA_FLAGS = {
     "neon": ["-march=armv8.2-a+fp16+dotprod"],
 }
 # The quantizer's clipped ranges in sixty-fourths of a group's range (ott_gguf.quantizer, docs/clipping.md; a
-# test checks the two tables agree): keys by width; rotated values by (width, Gv); unrotated values full range.
+# test checks the two tables agree): keys by width (1 bit: k_mix's narrowest channels of 2-bit keys,
+# docs/long-context-keys.md); rotated values by (width, Gv); unrotated values full range.
 CLIP_ONE = 64
-K_CLIP64 = {2: 48, 3: 58, 4: 64}
-# k_mix (docs/k-channel-widths.md): a sealed group of K_MIX_BITS-bit keys gives its D/4 channels of largest
-# (max - min)*max(|max|, |min|) one bit more and its D/4 smallest one bit less, each width with its own clipped range
-K_MIX_BITS = 3
+K_CLIP64 = {1: 16, 2: 48, 3: 58, 4: 64}
+# k_mix (docs/k-channel-widths.md, docs/long-context-keys.md): a sealed group of keys of a K_MIX_BITS width gives
+# its D/4 channels of largest (max - min)*max(|max|, |min|) one bit more and its D/4 smallest one bit less, each
+# width with its own clipped range: 3-bit keys (2/3/4, the default) and 2-bit keys (1/2/3, an option for now)
+K_MIX_BITS = (2, 3)
 V_ROT_CLIP64 = {
     (2, 32): 47, (3, 32): 58, (4, 32): 63,
     (2, 64): 42, (3, 64): 55, (4, 64): 61,
@@ -61,6 +64,7 @@ V_ROT_CLIP64 = {
 # symmetric rotated values (v_sym), by (width, Gv): sixty-fourths of max|x| (ott_gguf.quantizer.V_SYM_CLIP64)
 V_SYM_CLIP64 = {(2, 32): 41, (2, 64): 37, (2, 128): 34, (2, 256): 32}
 V_SYM_BITS = 2  # v_sym changes 2-bit values only (at 3 bits the min pays for itself: docs/v-blocks.md)
+WIDTHS = (2, 3, 4)  # code widths of the ott cache types (ott2, ott3, ott4), on each side
 # vector width in floats per ISA
 WIDTH = {"scalar": 1, "avx2": 8, "avx512": 16, "avx512vnni": 16, "neon": 4}
 Q8_1_BLOCK = 32  # ggml's QK8_1: the dot product's second operand
@@ -157,12 +161,14 @@ class HeadConfig:
     vbits: int
     G: int
     Gv: int
-    kmix: bool = False  # K widths per channel (K_MIX_BITS - 1 .. K_MIX_BITS + 1), chosen per sealed group
+    kmix: bool = False  # K widths per channel (kbits - 1 .. kbits + 1, kbits in K_MIX_BITS), chosen per sealed group
     vsym: bool = False  # symmetric V blocks (one scale, no min), for rotated V_SYM_BITS-bit values
 
     def __post_init__(self) -> None:
-        if self.kmix and self.kbits != K_MIX_BITS:
-            raise ValueError(f"mixed K widths need {K_MIX_BITS}-bit keys, got {self.kbits}")
+        if self.kbits not in WIDTHS or self.vbits not in WIDTHS:
+            raise ValueError(f"K and V bits must be one of {WIDTHS}, got {self.kbits}/{self.vbits}")
+        if self.kmix and self.kbits not in K_MIX_BITS:
+            raise ValueError(f"mixed K widths need keys of {' or '.join(map(str, K_MIX_BITS))} bits, got {self.kbits}")
         if self.vsym and (self.vbits, self.Gv) not in V_SYM_CLIP64:
             raise ValueError(f"symmetric V blocks need {V_SYM_BITS}-bit values, got {self.vbits}")
 
@@ -307,16 +313,14 @@ def render(e: jinja2.Environment, template: str, params: str, **kw: object) -> s
     return header(template, params) + e.get_template(template).render(**kw)
 
 
-WIDTHS = tuple(PLANES)  # code widths of the ott cache types (ott2, ott3, ott4), on each side
-
-
 def build_heads(G: int, Gv: int) -> list[HeadConfig]:
     """Every (K width, V width) pair the build's cache types can combine (-ctk ott3 -ctv ott2 and so on), the
-    mixed-width keys (k_mix) with every V width, and every K format with symmetric 2-bit values (v_sym)."""
+    mixed-width keys (k_mix: 3-bit, then 2-bit keys) with every V width, and every K format with symmetric 2-bit
+    values (v_sym)."""
     plain = [HeadConfig(kb, vb, G, Gv) for kb in WIDTHS for vb in WIDTHS]
-    mixed = [HeadConfig(K_MIX_BITS, vb, G, Gv, True) for vb in WIDTHS]
+    mixed = [HeadConfig(kb, vb, G, Gv, True) for kb in sorted(K_MIX_BITS, reverse=True) for vb in WIDTHS]
     sym = [HeadConfig(kb, V_SYM_BITS, G, Gv, False, True) for kb in WIDTHS] + [
-        HeadConfig(K_MIX_BITS, V_SYM_BITS, G, Gv, True, True)
+        HeadConfig(kb, V_SYM_BITS, G, Gv, True, True) for kb in sorted(K_MIX_BITS, reverse=True)
     ]
     return plain + mixed + sym
 
@@ -393,12 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--heads",
         default="2:128:64,2:64:32,2:32:32,3:128:64,4:128:64,3/2:128:64,2/3:128:64,4/2:128:64,3m/2:128:64,3m/4:64:32,"
-        "2/2s:128:64,3m/2s:128:64,2/2s:64:32",
+        "2/2s:128:64,3m/2s:128:64,2/2s:64:32,2m/2:128:64,2m/4:64:32,2m/2s:128:64",
         help="kernels: K/V:G:Gv per-head configs (B:G:Gv: B bits on both sides)",
     )
     ap.add_argument(
         "--cuda-heads",
-        default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64,3m/2s:128:64,2/2s:64:32",
+        default="2:128:64,2:64:32,4:128:64,3/2:128:64,3m/2:128:64,3m/2s:128:64,2/2s:64:32,2m/2:128:64,2m/2s:128:64",
         help="cuda: K/V:G:Gv head configs",
     )
     ap.add_argument("--arch", default="x86_64", choices=sorted(ISAS))

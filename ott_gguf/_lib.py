@@ -93,7 +93,8 @@ def loaded_library_path() -> str:
 
 
 class LlamaOttConfig(ctypes.Structure):
-    """struct llama_ott_config: int32 fields (v_rotate, k_mix, v_sym 0 or 1), then layer_widths, one byte per layer
+    """struct llama_ott_config: int32 fields (v_rotate, v_sym 0 or 1, k_mix 0, 1 or 2), then layer_widths, one byte
+    per layer
     (0: the K/V types' widths, else K bits * 16 + V bits)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in OttConfig.NATIVE_FIELDS] + [
@@ -108,10 +109,10 @@ class LlamaOttConfig(ctypes.Structure):
         return c
 
     def to_config(self) -> OttConfig:
-        """The OttConfig of these values (v_rotate, k_mix, v_sym as bools; Gv: the build's)."""
+        """The OttConfig of these values (v_rotate, v_sym as bools, k_mix as a bool for 0 and 1; Gv: the build's)."""
         values: dict[str, Any] = {name: int(getattr(self, name)) for name in OttConfig.NATIVE_FIELDS}
         values["v_rotate"] = bool(values["v_rotate"])
-        values["k_mix"] = bool(values["k_mix"])
+        values["k_mix"] = bool(values["k_mix"]) if values["k_mix"] in (0, 1) else values["k_mix"]
         values["v_sym"] = bool(values["v_sym"])
         widths = {il: (w >> 4, w & 15) for il, w in enumerate(self.layer_widths) if w}
         return OttConfig(**values, Gv=int(str(build_info()["ott2_group"])), layer_widths=format_layer_widths(widths))

@@ -98,7 +98,11 @@ def parse_ott_params(text: str) -> dict[str, int | bool]:
         raise ValueError(f"--ott-params expects {OTT_PARAMS}, got {len(values)} values")
     out: dict[str, int | bool] = {}
     for name, value in zip(names, values, strict=False):
-        if name in ("v_rotate", "k_mix", "v_sym"):
+        if name == "k_mix":  # 0, 1 (3-bit keys) or 2 (2-bit keys too): kv_types.K_MIX_WIDTHS
+            if value not in (0, 1, 2):
+                raise ValueError(f"--ott-params: k_mix={value} must be 0, 1 or 2 (2: 2-bit keys too)")
+            out[name] = bool(value) if value < 2 else value
+        elif name in ("v_rotate", "v_sym"):
             if value not in (0, 1):
                 raise ValueError(f"--ott-params: {name}={value} must be 0 or 1")
             out[name] = bool(value)

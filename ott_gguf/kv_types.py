@@ -23,7 +23,11 @@ KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswit
 
 MeanMode = Literal["non_outlier", "all"]
 _BITS = (2, 3, 4)
-K_MIX_BITS = 3  # k_mix mixes 2, 3 and 4-bit channels in groups of 3-bit keys
+# k_mix's levels: the key widths whose sealed groups mix widths per channel (w - 1, w, w + 1 bits). 1 (True, the
+# default): 3-bit keys (2/3/4); 2: 2-bit keys too (1/2/3, docs/long-context-keys.md; an option until the 8k
+# measurement decides ott2's default); 0 (False): none
+K_MIX_WIDTHS: dict[int, tuple[int, ...]] = {0: (), 1: (3,), 2: (2, 3)}
+K_MIX_BITS = 3  # the key width k_mix's default level mixes (2, 3 and 4-bit channels in groups of 3-bit keys)
 V_SYM_BITS = 2  # v_sym stores 2-bit values in symmetric blocks
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
@@ -50,7 +54,9 @@ class OttConfig:
     with the smallest get 2, so a group holds the same code bits; a table of the widths goes with the group.
     Layers whose keys are not 3 bits wide quantize as without it. On by default: at the bytes of 3-bit keys (plus
     0.016 bits per key element) it cuts the KL divergence of ott3/ott2 by about a third on both test models
-    (docs/tiers.md); k_rotate needs it off.
+    (docs/tiers.md); k_rotate needs it off. k_mix=2: 2-bit keys mix widths too (1/2/3 bits, a quarter of the
+    channels at 1 bit clipped to quantizer.K_CLIP64[1] and a quarter at 3; docs/long-context-keys.md), the same
+    rule one width lower; True is 1 (3-bit keys only), False 0 (K_MIX_WIDTHS).
 
     v_sym: 2-bit values in symmetric blocks (one fp16 scale, no min, levels centred on zero; quantizer module
     docstring): 0.25 bits per value less at about 5% more value error, since rotated values are centred
@@ -76,7 +82,7 @@ class OttConfig:
     v_rotate: bool = True
     clip: bool = True
     layer_widths: str = ""
-    k_mix: bool = True
+    k_mix: bool | int = True  # 0/False, 1/True or 2: K_MIX_WIDTHS
     v_sym: bool = False
 
     def __post_init__(self) -> None:
@@ -95,7 +101,11 @@ class OttConfig:
             value = getattr(self, name)
             if value is not None and value not in _BITS:
                 raise ValueError(f"ott_config.{name} must be one of {_BITS}, got {value}")
-        for name in ("identity", "k_rotate", "v_rotate", "clip", "k_mix", "v_sym"):
+        if not isinstance(self.k_mix, int) or self.k_mix not in K_MIX_WIDTHS:
+            raise ValueError(
+                f"ott_config.k_mix must be False/0, True/1 (3-bit keys) or 2 (2- and 3-bit keys), got {self.k_mix!r}"
+            )
+        for name in ("identity", "k_rotate", "v_rotate", "clip", "v_sym"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ott_config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("G", "Gv"):
@@ -130,7 +140,7 @@ class OttConfig:
         return self.bits if self.v_bits is None else self.v_bits
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
-    # (all int32 there: v_rotate, k_mix and v_sym are 0 or 1)
+    # (all int32 there: v_rotate and v_sym are 0 or 1, k_mix 0, 1 or 2)
     NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym")
 
     @classmethod
@@ -172,7 +182,7 @@ class OttConfig:
         return self.replace(**changes) if changes else self
 
     def native(self) -> tuple[int, ...]:
-        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, k_mix, v_sym: 0 or 1)."""
+        """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, v_sym: 0 or 1; k_mix: 0, 1 or 2)."""
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def widths_for_layer(self, layer: int) -> tuple[int, int]:
@@ -202,8 +212,8 @@ class OttConfig:
 
     @property
     def k_mixed(self) -> bool:
-        """Whether sealed key groups mix widths per channel: k_mix on 3-bit keys."""
-        return self.k_mix and self.kbits == K_MIX_BITS
+        """Whether sealed key groups mix widths per channel: k_mix on keys of a width its level mixes (K_MIX_WIDTHS)."""
+        return self.kbits in K_MIX_WIDTHS[int(self.k_mix)]
 
     @property
     def v_symmetric(self) -> bool:

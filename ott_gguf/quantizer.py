@@ -24,7 +24,8 @@ and codes, reconstruction and dot products as above with that m. Rotated values 
 one of Gv coefficients), so the min costs 16 bits for little: +1-5% error for 0.25 bits per value less at 2 bits.
 
 Block layout (bytes): fp16 d, fp16 m (absent in symmetric blocks), then the code planes. Codes of `bits` bits are
-split into planes of 2+1 (3-bit) or one plane (2- and 4-bit); plane p of width w packs 8/w codes per byte, strided:
+split into planes of 2+1 (3-bit) or one plane (1-, 2- and 4-bit; 1-bit blocks exist only as the narrowest channels of
+k_mix on 2-bit keys); plane p of width w packs 8/w codes per byte, strided:
 element j is in byte j % nbytes at bit w * (j // nbytes).
 """
 
@@ -34,11 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PLANE_WIDTHS = {2: (2,), 3: (2, 1), 4: (4,)}
+PLANE_WIDTHS = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 QK8_1 = 32
 CLIP_ONE = 64  # clip is in sixty-fourths of the range: 64 is the full range (min-max)
-# keys, channel-wise over G tokens, by width: measured on both test models' captured attention (docs/clipping.md)
-K_CLIP64 = {2: 48, 3: 58, 4: 64}
+# keys, channel-wise over G tokens, by width: measured on both test models' captured attention (docs/clipping.md;
+# 1 bit, k_mix's narrowest channels of 2-bit keys: docs/long-context-keys.md)
+K_CLIP64 = {1: 16, 2: 48, 3: 58, 4: 64}
 # rotated values, token-wise over Gv channels, by (width, Gv): the clip that minimises the mean squared error of
 # Gv Gaussian values (study/clipping.py derives them; docs/clipping.md)
 V_ROT_CLIP64 = {

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_types import K_MIX_BITS, ROT_BLOCK, OttConfig
-from .quantizer import CLIP_ONE, BlockFormat, Quantized, dequantize, quantize
+from .kv_types import ROT_BLOCK, OttConfig
+from .quantizer import CLIP_ONE, K_CLIP64, BlockFormat, Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
 
@@ -239,21 +239,23 @@ def _key_rank(k: np.ndarray) -> np.ndarray:
 
 
 def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
-    """(D,) uint8 code width of each channel of a group of keys k (G, D) under config.k_mix (3-bit keys).
+    """(D,) uint8 code width of each channel of a group of keys k (G, D) under config.k_mix (config.k_mixed: keys of
+    B = config.kbits bits, 3 with k_mix on, 2 too with k_mix=2).
 
     Channels are ranked by c = (max - min) * max(|max|, |min|) over the group, computed in fp32 from the fp16 keys
     (one rounded product, so every implementation ranks alike), largest first, ties to the lower channel: the first
-    D/4 get 4 bits, the last D/4 get 2, the others 3, so the group holds exactly 3*D*G code bits. The product
+    D/4 get B + 1 bits, the last D/4 get B - 1, the others B, so the group holds exactly B*D*G code bits. The product
     weighs a channel's quantization step (its range) by its magnitude, a proxy for its share of the scores
-    q.k (docs/k-channel-widths.md measures it against allocations that know the queries).
+    q.k (docs/k-channel-widths.md measures it against allocations that know the queries). For 2-bit keys this is
+    KeyMix(bits=2, lo=1, hi=3) (docs/long-context-keys.md).
     """
-    order = _key_rank(k)
-    D = len(order)
-    n = D // 4
-    widths = np.full(D, K_MIX_BITS, np.uint8)
-    widths[order[:n]] = K_MIX_BITS + 1
-    widths[order[D - n :]] = K_MIX_BITS - 1
-    return widths
+    return config_key_mix(config).widths(k)
+
+
+def config_key_mix(config: OttConfig) -> KeyMix:
+    """The KeyMix of the cache's k_mix on config's keys: widths kbits - 1 .. kbits + 1 in quarters, the 1-bit
+    channels clipped to quantizer.K_CLIP64[1] (full range without config.clip)."""
+    return KeyMix(bits=config.kbits, lo=config.kbits - 1, hi=config.kbits + 1)
 
 
 # ------------------------------------------------------------------- study option: mixed widths for any key width
@@ -262,12 +264,14 @@ def key_widths(k: np.ndarray, config: OttConfig) -> np.ndarray:
 # min + range*(1-c)/2 and max - range*(1-c)/2). Measured on the calibration split's captured attention of both
 # test models with study.k_widths --two-bit --clip1 (docs/long-context-keys.md), as docs/clipping.md measured
 # K_CLIP64: optima 20 (SmolLM2) and 12 (Gemma 3), each within 1% of its optimum at 16, the value between them.
-K1_CLIP64 = 16
+# The cache's 1-bit format (k_mix on 2-bit keys) is quantizer.K_CLIP64[1], this value.
+K1_CLIP64 = K_CLIP64[1]
 
 
 @dataclass(frozen=True)
 class KeyMix:
-    """Study option (issue 51; no kernel implements it): k_mix generalised to any key width.
+    """k_mix generalised to any key width (issue 51): the cache's k_mix is config_key_mix(config); the others are
+    study options no kernel implements.
 
     Per sealed group, channels are ranked as key_widths ranks them (_key_rank); the first D // hi_div get `hi`
     bits, the last n_lo get `lo` bits, the others `bits`, with n_lo chosen so that the group holds exactly
@@ -313,17 +317,8 @@ class KeyMix:
     def format_of(self, bits: int, config: OttConfig) -> BlockFormat:
         """The block format of a channel at `bits` (1 to 4) under config (its G and clip)."""
         if bits == 1:
-            return _OneBitFormat(1, config.G, self.clip1 if config.clip else CLIP_ONE)
+            return BlockFormat(1, config.G, self.clip1 if config.clip else CLIP_ONE)
         return config.k_format_of(bits)
-
-
-@dataclass(frozen=True)
-class _OneBitFormat(BlockFormat):
-    """1-bit channels of a KeyMix: quantizer.quantize's arithmetic with nlev = 1 (no packed layout exists)."""
-
-    def __post_init__(self) -> None:
-        if self.bits != 1 or self.group <= 0 or not 1 <= self.clip <= CLIP_ONE or self.sym:
-            raise ValueError(f"not a 1-bit key format: {self}")
 
 
 def _quantize_keys_mixed(
@@ -369,8 +364,9 @@ def quantize_keys(
         widths = mix.widths(k)
         return (*_quantize_keys_mixed(k, config, widths, mix), False, widths)
     if config.k_mixed:
-        widths = key_widths(k, config)
-        return (*_quantize_keys_mixed(k, config, widths, KeyMix(bits=3, lo=2, hi=4)), False, widths)
+        mix = config_key_mix(config)
+        widths = mix.widths(k)
+        return (*_quantize_keys_mixed(k, config, widths, mix), False, widths)
     # transposed: the G tokens of a channel form one group, codes (D, 1, G), d and m (D, 1)
     if config.k_rotate:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what this looks for

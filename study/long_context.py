@@ -54,7 +54,8 @@ def tier_of(spec: str, model: str) -> Tier:
     g, r, o, aux, nol, vrot, kmix, vsym = (int(x) for x in params.split(","))
     if g != 128:
         raise ValueError(f"tier {spec!r}: G is 128 in this build")
-    return Tier(k, v, bool(vrot), layers=layers, k_mix=bool(kmix), v_sym=bool(vsym), R=r, outliers=o, aux=aux, nol=nol)
+    return Tier(k, v, bool(vrot), layers=layers, k_mix=bool(kmix) if kmix < 2 else kmix, v_sym=bool(vsym), R=r,
+                outliers=o, aux=aux, nol=nol)  # fmt: skip
 
 
 DEFAULT_TIERS: dict[str, Tier] = {
@@ -63,6 +64,7 @@ DEFAULT_TIERS: dict[str, Tier] = {
     "kivi2": Tier("kivi2", "kivi2", True),
     "ott2": Tier("ott2", "ott2", True),
     "ott3/ott2": Tier("ott3", "ott2", True),
+    "ott2 kmix2": Tier("ott2", "ott2", True, k_mix=2),  # k_mix on 2-bit keys too (docs/long-context-keys.md)
 }
 TIERS = ("q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "quality")
 

@@ -41,7 +41,9 @@ class Tier:
     v: str  # cache type of V
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
-    k_mix: bool = True  # K widths per channel in the groups of 3-bit keys (the default; docs/k-channel-widths.md)
+    # K widths per channel in the groups of 3-bit keys (True, the default; docs/k-channel-widths.md), of 2-bit keys
+    # too with 2 (docs/long-context-keys.md)
+    k_mix: bool | int = True
     v_sym: bool = False  # symmetric 2-bit V blocks (docs/v-blocks.md)
     R: int = 32  # the fp16 recent window
     outliers: int = 3  # outlier_num
@@ -57,6 +59,7 @@ class Tier:
         name += (
             (" +rotV" if self.v_rotate else "") + (" +symV" if self.v_sym else "") + (" uniform K" if uniform else "")
         )
+        name += " +kmix2" if self.k_mix == 2 and "2" in self.k else ""
         name += f" R={self.R}" if self.R != 32 else ""
         name += f" O={self.outliers}" if self.outliers != 3 else ""
         name += f" aux={self.aux}" if self.aux != 32 else ""

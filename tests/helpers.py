@@ -111,6 +111,18 @@ class HeadKernels(Protocol):
                   tail_k: np.ndarray, tail_v: np.ndarray) -> np.ndarray: ...  # fmt: skip
 
 
+def k_mix_of(kbits: int, kmix: bool) -> bool | int:
+    """OttConfig.k_mix for a head config with (kmix) or without mixed K widths: level 2 for 2-bit keys (1/2/3 bits),
+    the flag itself otherwise (kv_types.K_MIX_WIDTHS)."""
+    return 2 if kmix and kbits == 2 else kmix
+
+
+def mixed_width_counts(g: ref.SealedGroup, kbits: int) -> list[int]:
+    """How many channels of a k_mix group sit at kbits - 1, kbits and kbits + 1 bits."""
+    assert g.k_widths is not None
+    return np.bincount(g.k_widths, minlength=kbits + 2)[kbits - 1 : kbits + 2].tolist()
+
+
 def as_arrays(p: ref.Pool) -> PoolArrays:
     return PoolArrays(pos=p.pos.astype(np.int32), score=p.score.astype(np.float32), k=p.k, v=p.v)
 
@@ -123,14 +135,14 @@ def pack_group(g: ref.SealedGroup, cfg: ref.OttConfig) -> tuple[np.ndarray, np.n
                     cfg.k_format)  # fmt: skip
         kq = kq.reshape(-1)
     else:
-        # k_mix: channel blocks in channel order, each at its width, then the 2-bit width table (width - 2,
+        # k_mix: channel blocks in channel order, each at its width, then the 2-bit width table (width - kbits + 1,
         # channel c at bits 2*(c % 4) of byte c // 4): gen/templates/ott_head.c.j2
         blocks = [
             Q.pack(Q.Quantized(g.k_codes[c].reshape(1, 1, G), g.k_scale[c : c + 1].reshape(1, 1),
                                g.k_min[c : c + 1].reshape(1, 1)), cfg.k_format_of(int(g.k_widths[c]))).reshape(-1)
             for c in range(D)
         ]  # fmt: skip
-        w = (g.k_widths.astype(np.uint8) - (ref.K_MIX_BITS - 1)).reshape(D // 4, 4)
+        w = (g.k_widths.astype(np.uint8) - (cfg.kbits - 1)).reshape(D // 4, 4)
         table = (w[:, 0] | (w[:, 1] << 2) | (w[:, 2] << 4) | (w[:, 3] << 6)).astype(np.uint8)
         kq = np.concatenate([*blocks, table])
     vq = Q.pack(Q.Quantized(g.v_codes.reshape(G, D // cfg.Gv, cfg.Gv), g.v_scale, g.v_min), cfg.v_format)

@@ -179,6 +179,14 @@ def test_generator_and_reference_clip_tables_agree() -> None:
     assert gen.V_ROT_CLIP64 == quantizer.V_ROT_CLIP64
     hc = gen.HeadConfig(3, 2, 128, 64)
     assert (hc.k.clip, hc.v.clip, hc.vr.clip) == (quantizer.K_CLIP64[3], 64, quantizer.V_ROT_CLIP64[(2, 64)])
+    # k_mix on 2-bit keys: 1/2/3-bit channels, the 1-bit ones clipped as the reference's KeyMix clips them
+    from ott_gguf.reference import K1_CLIP64
+
+    mixed = gen.HeadConfig(2, 2, 128, 64, True)
+    clips = [(f.bits, f.clip) for f in mixed.k_formats]
+    assert clips == [(1, K1_CLIP64), (2, quantizer.K_CLIP64[2]), (3, quantizer.K_CLIP64[3])]
+    assert gen.PLANES[1] == quantizer.PLANE_WIDTHS[1] == (1,) and gen.WIDTHS == (2, 3, 4)
+    assert mixed.k_group_bytes(64) == 64 * gen.HeadConfig(2, 2, 128, 64).k.block_bytes + 16
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 renderings: compiled, not run")

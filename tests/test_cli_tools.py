@@ -223,12 +223,16 @@ def test_ott_params_on_the_command_line() -> None:
                                                  "no_outlier_layers": 2}  # fmt: skip
     assert parse_ott_params("128,64,3,32,2,1,1,1")["v_sym"] is True
     for bad, message in (("128,64,3", "expects G,R"), ("128,64,3,32,2,1,1,1,1", "expects G,R"),
-                         ("128,x,3,32,2", "integers"), ("128,64,3,32,2,1,2", "k_mix=2 must be 0 or 1")):  # fmt: skip
+                         ("128,x,3,32,2", "integers"), ("128,64,3,32,2,1,3", "k_mix=3 must be 0, 1 or 2"),
+                         ("128,64,3,32,2,2,1", "v_rotate=2 must be 0 or 1")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_ott_params(bad)
     args = argparse.Namespace(ott_layers="", ott_params="128,64,3,32,2,1,1,1")
     cfg = _ott_config(args, "ott3/ott2")
     assert cfg is not None and (cfg.R, cfg.v_sym, cfg.k_mix) == (64, True, True)
+    assert parse_ott_params("128,32,3,32,2,1,2")["k_mix"] == 2  # k_mix on 2-bit keys too
+    cfg2 = _ott_config(argparse.Namespace(ott_layers="", ott_params="128,32,3,32,2,1,2"), "ott2")
+    assert cfg2 is not None and cfg2.k_mixed and cfg2.replace(k_bits=4).k_mixed is False
     with pytest.raises(ValueError, match="--ott-params applies to the ott cache types"):
         _ott_config(args, "q4_0")
     with pytest.raises(ValueError, match="v_sym needs v_rotate"):

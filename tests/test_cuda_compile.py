@@ -20,8 +20,8 @@ ARCHS = ["sm_75", "sm_86", "sm_89"]
 ARCH_TURN = rotate(ARCHS)
 # K/V widths (K/V:G:Gv) of the per-config test library: every width once on each side, all in per-side pairs,
 # 3-bit keys with widths per channel (k_mix, "3m"), and symmetric 2-bit V blocks (v_sym, "2s") with mixed keys and
-# with Gv 32 (a rotation unit of two blocks)
-TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64", "3m/2s:128:64", "2/2s:64:32"]
+# with Gv 32 (a rotation unit of two blocks), and 2-bit keys with widths per channel (k_mix 2, "2m": 1-bit blocks)
+TEST_HEADS = ["3/2:128:64", "4/3:128:64", "2/4:128:64", "3m/2:128:64", "3m/2s:128:64", "2/2s:64:32", "2m/2:128:64"]
 # the block configs of the stand-alone check: the cuda target's defaults, and the symmetric formats of the v_sym
 # heads (bits "2s", group, clip: rotated units clipped, the unrotated fallback full range)
 CONFIGS = ["2:32", "2:64", "2:128", "3:64", "4:64", "2s:32:41", "2s:32", "2s:64:37", "2s:64"]
@@ -128,7 +128,7 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
     ops_syms = ""
-    # the 16 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
+    # the 20 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
     # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
     # checks below) and on this one under make test-all
     ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
@@ -152,9 +152,9 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     m = re.search(r"heads=([0-9ms/:]+(?:,[0-9ms/:]+)*)", ops.read_text().splitlines()[0])
     assert m, "no head configs in the header line of ott2-cuda-ops.cu"
     tags = [spec_tag(h) for h in m.group(1).split(",")]
-    # ott2..4 K with ott2..4 V, 3-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
+    # ott2..4 K with ott2..4 V, 3- and 2-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
     # symmetric 2-bit V (v_sym)
-    assert len(tags) == 16 and sum("v2s" in t for t in tags) == 4
+    assert len(tags) == 20 and sum("v2s" in t for t in tags) == 5 and sum("k2m" in t for t in tags) == 4
     for tag in tags:
         # attn_merge_seal: the merge and the seal in one launch, which the glue's merge runs at decode
         for fn in ("attn_part", "attn_merge", "seal", "attn_merge_seal"):

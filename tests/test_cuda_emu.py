@@ -28,11 +28,12 @@ from native_build import built_lib
 
 from ott_gguf import reference as ref
 
-from helpers import keys_values, pack_group, rotate
+from helpers import k_mix_of, keys_values, mixed_width_counts, pack_group, rotate
 
 # (K bits, V bits, G, Gv[, k_mix[, v_sym]]) of the rendered head configs
 HEADS = [(2, 2, 128, 64), (2, 2, 64, 32), (4, 4, 128, 64), (3, 2, 128, 64), (3, 2, 128, 64, True),
-         (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)]  # fmt: skip
+         (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True), (2, 2, 128, 64, True),
+         (2, 2, 128, 64, True, True)]  # fmt: skip
 TAGS = [head_tag(*h) for h in HEADS]
 
 
@@ -72,6 +73,9 @@ CASES = [
     ((3, 2, 128, 64, True, True), 64, 2, 4, 3, 32, True),
     ((3, 2, 128, 64, True, True), 256, 1, 2, 3, 8, True),
     ((2, 2, 64, 32, False, True), 64, 2, 6, 2, 8, True),
+    ((2, 2, 128, 64, True), 64, 2, 4, 3, 32, True),
+    ((2, 2, 128, 64, True), 256, 1, 2, 3, 8, False),
+    ((2, 2, 128, 64, True, True), 64, 2, 4, 3, 32, True),
 ]
 
 
@@ -129,7 +133,7 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0, fused: bool = False) -
     for g in s0.groups:
         assert (g.k_widths is not None) == k_mix
         if k_mix:
-            assert np.bincount(g.k_widths, minlength=5)[2:].tolist() == [D // 4, D // 2, D // 4]
+            assert mixed_width_counts(g, cfg.kbits) == [D // 4, D // 2, D // 4]
     # v_sym: V blocks of a scale and the codes (the state compared above holds no min); the reference's mins are
     # -1.5 times the scales' magnitudes
     assert st.VB == (2 if v_sym else 4) + cfg.Gv * cfg.vbits // 8
@@ -145,7 +149,7 @@ def head_config(head: tuple, outlier_num: int, aux_cap: int, v_rotate: bool) -> 
     kbits, vbits, G, Gv, *flags = head
     k_mix, v_sym = (bool(f) for f in (*flags, False, False)[:2])
     return ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, Gv=Gv, R=32, outlier_num=outlier_num, aux_cap=aux_cap,
-                         no_outlier_layers=0, v_rotate=v_rotate, k_mix=k_mix, v_sym=v_sym)  # fmt: skip
+                         no_outlier_layers=0, v_rotate=v_rotate, k_mix=k_mix_of(kbits, k_mix), v_sym=v_sym)  # fmt: skip
 
 
 def check_state(st: LayerState, want: ref.HeadState, cfg: ref.OttConfig, s: int, h: int) -> None:

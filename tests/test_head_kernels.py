@@ -11,7 +11,7 @@ from native_kernels import HeadKernelSet, kernels
 
 from ott_gguf import reference as ref
 
-from helpers import check_attention, keys_values, lockstep
+from helpers import check_attention, k_mix_of, keys_values, lockstep, mixed_width_counts
 
 K = kernels()
 HEADS = [(kb, vb, G, Gv, kmix, vsym, isa) for (kb, vb, G, Gv, kmix, vsym) in K.head_configs for isa in K.isas]
@@ -34,7 +34,8 @@ def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: 
     hk = head_set(kbits, vbits, G, Gv, isa, vrot, kmix, vsym)
     D = 128 if vrot else 64  # two rotation units per token
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=outlier_num, aux_cap=aux_cap,
-                        v_rotate=vrot, k_mix=kmix, v_sym=vsym)  # fmt: skip
+                        v_rotate=vrot, k_mix=k_mix_of(kbits, kmix), v_sym=vsym)  # fmt: skip
+    assert cfg.k_mixed == kmix
     rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + outlier_num + kmix + 11 * vsym)
     n = 5 * G + 40
     k, v = keys_values(rng, n, D)
@@ -46,9 +47,8 @@ def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: 
     if aux_cap == 1 and outlier_num:
         assert not st.tracing  # the small aux pool filled: tracing stopped, no token dropped
     check_attention(hk, st, nat, rng)
-    if kmix:  # every sealed group mixed its widths by the quotas
-        assert all(sorted(np.bincount(g.k_widths, minlength=5)[2:].tolist()) == [D // 4, D // 4, D // 2]
-                   for g in st.groups)  # fmt: skip
+    if kmix:  # every sealed group mixed its widths (kbits - 1, kbits, kbits + 1) by the quotas
+        assert all(mixed_width_counts(g, kbits) == [D // 4, D // 2, D // 4] for g in st.groups)
 
 
 @pytest.mark.parametrize("isa", K.isas)

@@ -78,7 +78,9 @@ def test_the_c_struct_carries_v_rotate_k_mix_and_v_sym_as_its_last_int32s() -> N
     assert _lib.config_problem(OttConfig(v_rotate=True, k_mix=False)) == ""
     assert _lib.config_problem(OttConfig(v_sym=True)) == ""
     why = ctypes.create_string_buffer(256)
-    for field, value, message in (("k_mix", 2, "k_mix=2 must be 0 or 1"), ("v_sym", 3, "v_sym=3 must be 0 or 1")):
+    assert _lib.config_problem(OttConfig(k_mix=2)) == ""  # 2-bit keys of mixed widths too
+    for field, value, message in (("k_mix", 3, "k_mix=3 must be 0, 1 (3-bit keys) or 2 (2- and 3-bit keys)"),
+                                  ("v_sym", 3, "v_sym=3 must be 0 or 1")):  # fmt: skip
         bad = _lib.native().llama_ott_config_default()
         setattr(bad, field, value)
         assert not _lib.native().llama_ott_config_check(ctypes.byref(bad), why, len(why))
@@ -182,6 +184,11 @@ def k_mix_bytes(info: ModelInfo) -> int:
     return info.n_layer * info.n_head_kv * n_groups * info.head_dim_k // 4
 
 
+def k_mix2_bytes(info: ModelInfo) -> int:
+    """What k_mix 2 adds on 2-bit keys (against k_mix 1, which leaves them alone): the same D/4 width table."""
+    return k_mix_bytes(info)
+
+
 def v_sym_bytes(info: ModelInfo) -> int:
     """What v_sym on saves on the quantized bytes: 2 per V block (no min)."""
     n_groups = (N_CTX - OttConfig().R) // OttConfig().G
@@ -189,21 +196,27 @@ def v_sym_bytes(info: ModelInfo) -> int:
 
 
 # (field, the cache type whose bytes it changes, the one it leaves alone, the bytes on minus off)
-SWITCHES = [("k_mix", "ott3/ott2", "ott2", k_mix_bytes), ("v_sym", "ott3/ott2", "ott3", v_sym_bytes)]
+# (k_mix 2: on is 2, off is 1, the default, which leaves 2-bit keys alone)
+SWITCHES = [("k_mix", "ott3/ott2", "ott2", k_mix_bytes, True, False),
+            ("v_sym", "ott3/ott2", "ott3", v_sym_bytes, True, False),
+            ("k_mix", "ott2", "ott3", k_mix2_bytes, 2, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("field", "kv_type", "untouched", "delta"), SWITCHES, ids=[s[0] for s in SWITCHES])
+@pytest.mark.parametrize(("field", "kv_type", "untouched", "delta", "on_value", "off_value"), SWITCHES,
+                         ids=["k_mix", "v_sym", "k_mix2"])  # fmt: skip
 def test_a_format_switch_reaches_the_cache_and_its_state(
-    smollm2: Path, doc_tokens: list[int], field: str, kv_type: str, untouched: str, delta: Callable[[ModelInfo], int]
-) -> None:
+    smollm2: Path, doc_tokens: list[int], field: str, kv_type: str, untouched: str, delta: Callable[[ModelInfo], int],
+    on_value: bool | int, off_value: bool | int,
+) -> None:  # fmt: skip
     """k_mix (3-bit keys' per-channel widths) and v_sym (2-bit values without a min), each on and off, run as asked:
     they change the logits once a group is sealed and the quantized bytes by exactly their format's difference; a
     cache of the type they do not apply to keeps its bytes; a state saved with the switch on continues identically
     in a cache with it on and is refused by one with it off, naming the switch."""
     logits, quantized, states = {}, {}, {}
     for on in (True, False):
-        llm = Llama(str(smollm2), kv_type=kv_type, ott_config={field: on}, n_ctx=N_CTX, n_threads=1, verbose=False)
-        assert llm.ott_config is not None and getattr(llm.ott_config, field) is on
+        value = on_value if on else off_value
+        llm = Llama(str(smollm2), kv_type=kv_type, ott_config={field: value}, n_ctx=N_CTX, n_threads=1, verbose=False)
+        assert llm.ott_config is not None and getattr(llm.ott_config, field) == value
         llm.eval(doc_tokens[:200])
         assert llm.kv_cache_info()["sealed"] == 128
         states[on] = llm.save_state()
@@ -213,15 +226,16 @@ def test_a_format_switch_reaches_the_cache_and_its_state(
         llm.close()
     assert np.isfinite(logits[True]).all() and not np.array_equal(logits[True], logits[False])
     assert quantized[True] - quantized[False] == delta(model_info(smollm2))
-    same = Llama(str(smollm2), kv_type=kv_type, ott_config={field: True}, n_ctx=N_CTX, n_threads=1, verbose=False)
+    same = Llama(str(smollm2), kv_type=kv_type, ott_config={field: on_value}, n_ctx=N_CTX, n_threads=1, verbose=False)
     same.load_state(states[True])
     same.eval(doc_tokens[200:201])
     np.testing.assert_array_equal(last_logits(same), logits[True])
-    off = Llama(str(smollm2), kv_type=kv_type, ott_config={field: False}, n_ctx=N_CTX, verbose=False)
-    with pytest.raises(ValueError, match=rf"configuration: {field}=1, this cache has {field}=0"):
+    off = Llama(str(smollm2), kv_type=kv_type, ott_config={field: off_value}, n_ctx=N_CTX, verbose=False)
+    refused = rf"configuration: {field}={int(on_value)}, this cache has {field}={int(off_value)}"
+    with pytest.raises(ValueError, match=refused):
         off.load_state(states[True])
-    two = [Llama(str(smollm2), kv_type=untouched, ott_config={field: on}, n_ctx=N_CTX, verbose=False)
-           for on in (True, False)]  # fmt: skip
+    two = [Llama(str(smollm2), kv_type=untouched, ott_config={field: value}, n_ctx=N_CTX, verbose=False)
+           for value in (on_value, off_value)]  # fmt: skip
     assert len({int(x.kv_cache_info()["bytes"]["quantized"]) for x in two}) == 1  # type: ignore[index]
 
 

@@ -14,7 +14,7 @@ from native_kernels import PoolArrays, SealResult
 from ott_gguf import quantizer as Q
 from ott_gguf import reference as ref
 
-from helpers import ROOT, check_attention, keys_values, lockstep, make_inputs, require_tool
+from helpers import ROOT, check_attention, k_mix_of, keys_values, lockstep, make_inputs, require_tool
 
 CONFIGS = [(2, 32), (2, 64), (2, 128), (3, 64), (4, 64)]
 # (K bits, V bits, G, Gv, K widths per channel, symmetric V blocks): the generator's default head configs
@@ -23,12 +23,13 @@ HEADS = [(2, 2, 128, 64, False, False), (2, 2, 64, 32, False, False), (2, 2, 32,
          (3, 3, 128, 64, False, False), (4, 4, 128, 64, False, False), (3, 2, 128, 64, False, False),
          (2, 3, 128, 64, False, False), (4, 2, 128, 64, False, False), (3, 2, 128, 64, True, False),
          (3, 4, 64, 32, True, False), (2, 2, 128, 64, False, True), (3, 2, 128, 64, True, True),
-         (2, 2, 64, 32, False, True)]  # fmt: skip
+         (2, 2, 64, 32, False, True), (2, 2, 128, 64, True, False), (2, 4, 64, 32, True, False),
+         (2, 2, 128, 64, True, True)]  # fmt: skip
 # V stored rotated (qemu is slow: a few configs): a per-side width pair, and one with Gv below the rotation block
 # whose test also plants a unit that falls back to unrotated; the symmetric V heads (v_sym), every one, run rotated
 # only (the cache refuses v_sym without v_rotate), the Gv 32 one with the fallback unit (a full-range symmetric block)
 VROT_HEADS = [(3, 2, 128, 64, False, False), (2, 2, 64, 32, False, False), (2, 2, 128, 64, False, True),
-              (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True)]  # fmt: skip
+              (3, 2, 128, 64, True, True), (2, 2, 64, 32, False, True), (2, 2, 128, 64, True, True)]  # fmt: skip
 # the symmetric block formats the v_sym heads bring (GROUP, CLIP: sixty-fourths of max|x|): rotated units clipped,
 # the unrotated fallback full range (gen/generate.py HeadConfig.vr and .v; quantizer.V_SYM_CLIP64)
 SYM_CONFIGS = sorted({(h[1], h[3], c) for h in HEADS if h[5] for c in (Q.V_SYM_CLIP64[(h[1], h[3])], Q.CLIP_ONE)})
@@ -272,7 +273,8 @@ def test_aarch64_head_kernels_match_reference(driver: Path, kbits: int, vbits: i
                                               vsym: bool, vrot: bool, isa: str, tmp_path: Path) -> None:  # fmt: skip
     hk = QemuHead(driver, kbits, vbits, G, Gv, isa, tmp_path, vrot, kmix, vsym)
     cfg = ref.OttConfig(k_bits=kbits, v_bits=vbits, G=G, R=32, Gv=Gv, outlier_num=3, aux_cap=4, v_rotate=vrot,
-                        k_mix=kmix, v_sym=vsym)  # fmt: skip
+                        k_mix=k_mix_of(kbits, kmix), v_sym=vsym)  # fmt: skip
+    assert cfg.k_mixed == kmix
     assert hk.v_block_bytes == cfg.v_format.block_bytes == (2 if vsym else 4) + Gv * vbits // 8
     rng = np.random.default_rng(kbits * 7 + vbits * 3 + G + Gv + 11 * vsym)
     n = 4 * G + 40

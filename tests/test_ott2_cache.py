@@ -258,11 +258,11 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
         flipped[i] ^= 0x10  # bit flips inside the cache's body: refused, never loaded silently
     with pytest.raises(ValueError, match="the state is corrupt"):
         llm.load_state(altered(bytes(flipped)))
-    # a state of the previous format (6: before v_sym) is refused by its version, naming both
+    # a state of the previous format (7: before k_mix on 2-bit keys) is refused by its version, naming both
     at = raw.index(b"OTT2")
-    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 7
-    old = raw[: at + 4] + (6).to_bytes(4, "little") + raw[at + 8 :]
-    with pytest.raises(ValueError, match="format version 6 \\(an earlier ott-gguf\\); this build reads version 7"):
+    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 8
+    old = raw[: at + 4] + (7).to_bytes(4, "little") + raw[at + 8 :]
+    with pytest.raises(ValueError, match="format version 7 \\(an earlier ott-gguf\\); this build reads version 8"):
         llm.load_state(altered(old))
     # a refused load leaves a cache that still works: the good state loads and continues as before
     llm.load_state(state)
@@ -340,9 +340,15 @@ def test_tools_take_kivi2_and_ott_params(smollm2: Path, tmp_path: Path) -> None:
     bad = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,2"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "v_rotate=2 must be 0 or 1" in bad.stderr
-    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,1,2"],
+    bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,1,3"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert bad.returncode != 0 and "k_mix=2 must be 0 or 1" in bad.stderr
+    assert bad.returncode != 0 and "k_mix=3 must be 0, 1 (3-bit keys) or 2 (2- and 3-bit keys)" in bad.stderr
+    # k_mix 2: 2-bit keys of mixed widths too ("2m" in the per-layer widths)
+    out = subprocess.run([*base, "-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,16,3,32,2,1,2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [s for s in out.stderr.splitlines() if "ott2 cache:" in s]
+    assert "K 2 bits mixed, V 2 bits rotated" in lines[0] and " 2m/2" in lines[1], lines
     bad = subprocess.run([*base, "-ctk", "ott3", "-ctv", "ott2", "--ott-params", "128,32,3,32,2,0,1,1"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "v_sym=1 needs v_rotate=1" in bad.stderr

@@ -913,8 +913,54 @@ def test_k_mix_widths_keep_the_bits_and_follow_the_rule() -> None:
     assert cfg.k_mixed and not OttConfig(k_bits=4, k_mix=True).k_mixed and not OttConfig(k_mix=True).k_mixed
     with pytest.raises(ValueError, match="k_mix and k_rotate"):
         OttConfig(k_bits=3, k_mix=True, k_rotate=True)
-    with pytest.raises(ValueError, match="k_mix must be a bool"):
-        OttConfig(k_mix=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k_mix must be False/0, True/1"):
+        OttConfig(k_mix=3)
+    with pytest.raises(ValueError, match="k_mix must be False/0, True/1"):
+        OttConfig(k_mix=1.0)  # type: ignore[arg-type]
+    assert OttConfig(k_mix=1) == OttConfig() and not OttConfig(k_mix=0, k_bits=3).k_mixed
+
+
+def test_k_mix_2_mixes_2_bit_keys_as_the_study_option() -> None:
+    """k_mix=2 (docs/long-context-keys.md): groups of 2-bit keys get 1/2/3-bit channels in quarters, bit for bit
+    KeyMix() (the measured study option); 3-bit keys keep k_mix's 2/3/4; ott2's default stays uniform 2-bit keys;
+    the width table is counted in the bytes."""
+    rng = np.random.default_rng(52)
+    G = 128
+    cfg = OttConfig(k_mix=2, outlier_num=0)
+    assert cfg.k_mixed and cfg.replace(k_bits=3).k_mixed and not cfg.replace(k_bits=4).k_mixed
+    assert not OttConfig().k_mixed  # the default: 2-bit keys uniform
+    for D in (64, 128):
+        k = (rng.standard_normal((G, D)) * rng.lognormal(0, 1.5, D)).astype(np.float16)
+        got = quantize_keys(k, cfg)
+        want = quantize_keys(k, OttConfig(outlier_num=0), KeyMix())
+        assert got[5] is not None and [int((got[5] == b).sum()) for b in (1, 2, 3)] == [D // 4, D // 2, D // 4]
+        for a, b in zip(got, want, strict=True):
+            if isinstance(a, np.ndarray):
+                np.testing.assert_array_equal(a, b)
+            else:
+                assert a == b
+        assert key_widths(k, cfg).tolist() == got[5].tolist()
+        # the 1-bit channels are the cache's 1-bit block format (clipped to K_CLIP64[1] = K1_CLIP64)
+        c1 = np.flatnonzero(got[5] == 1)
+        q1 = quantize(k.astype(np.float32).T[c1], BlockFormat(1, G, K_CLIP64[1]))
+        np.testing.assert_array_equal(got[0][c1], q1.codes.reshape(len(c1), G))
+        assert K_CLIP64[1] == K1_CLIP64 == 16
+        # k_mix 2 on 3-bit keys is k_mix 1's
+        k3 = quantize_keys(k, cfg.replace(k_bits=3))
+        for a, b in zip(k3, quantize_keys(k, OttConfig(k_bits=3, outlier_num=0)), strict=True):
+            if isinstance(a, np.ndarray):
+                np.testing.assert_array_equal(a, b)
+        # bytes: the codes of 2-bit keys plus a 2-bit width per channel and group
+        mixed, plain = memory_bits(cfg, D, 4096), memory_bits(OttConfig(), D, 4096)
+        assert mixed["codes"] == plain["codes"] and mixed["k_widths"] == 2 * D * 31 and plain["k_widths"] == 0
+    # a whole cache seals 2-bit groups mixed, and serves what the codes decode to
+    cache = OttCache(cfg, 1, 1, 64)
+    kk = (rng.standard_normal((300, 1, 64)) * rng.lognormal(0, 1.0, 64)).astype(np.float32)
+    cache.process_ubatch(0, 0, None, kk, kk[::-1].copy(), np.arange(300))
+    st = cache.state(0, 0, 0)
+    assert st.n_sealed == 2 and all(g.k_widths is not None and int(g.k_widths.sum()) == 128 for g in st.groups)
+    for g in st.groups:
+        np.testing.assert_array_equal(dequantize_group(g, cfg)[0], g.k_hat)
 
 
 def test_k_mix_lowers_the_score_error_at_the_same_code_bits() -> None:

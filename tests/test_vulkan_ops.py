@@ -120,8 +120,9 @@ class VulkanOps:
 
 # the build's head configs (G 128, Gv 64): SmolLM2's head shape, Gemma 3's (D 256, one KV head), kivi2 (no pools),
 # 4-bit, ott3 K with ott2 V stored rotated, mixed-width keys with rotated V, those with symmetric V at D 256, D 256
-# with two KV heads of one query head each, and eight query heads per KV head (a workgroup's longest row loop)
-VK_CASES = [CASES[i] for i in (0, 1, 2, 4, 7, 9, 12)] + [
+# with two KV heads of one query head each, eight query heads per KV head (a workgroup's longest row loop), and
+# 2-bit keys of mixed widths (k_mix 2: 1, 2 and 3-bit blocks) with rotated and with symmetric V
+VK_CASES = [CASES[i] for i in (0, 1, 2, 4, 7, 9, 12, 14, 16)] + [
     ((2, 2, 128, 64), 256, 2, 2, 3, 32, False),
     ((2, 2, 128, 64), 64, 1, 8, 3, 32, False),
 ]

@@ -19,7 +19,7 @@ struct ggml_ott_params {
 };
 // V is stored rotated (sealed partials are in the rotated basis until the merge)
 #define GGML_OTT_V_ROTATE 1
-// K widths per channel in each sealed group (k_mix, 3-bit keys): a head's K group is D*KB + D/4 bytes
+// K widths per channel in each sealed group (k_mix: 3-bit keys, and 2-bit keys with k_mix 2): a head's K group is D*KB + D/4 bytes
 #define GGML_OTT_K_MIX    2
 // symmetric V blocks (v_sym, 2-bit values): one fp16 scale, no min (a V block is 2 bytes shorter)
 #define GGML_OTT_V_SYM    4

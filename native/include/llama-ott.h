@@ -25,7 +25,8 @@ struct llama_ott_config {
     int32_t no_outlier_layers; // the first N layers have no outlier pool
     int32_t v_rotate;          // 1: V is quantized from its Hadamard-rotated values (blocks of 64 channels), 0: not
     int32_t k_mix;             // 1: 3-bit keys get their width per channel in each sealed group (2, 3 or 4 bits at
-                               // the bytes of 3, docs/k-channel-widths.md); other K widths are unaffected
+                               // the bytes of 3, docs/k-channel-widths.md); 2: 2-bit keys too (1, 2 or 3 bits at
+                               // the bytes of 2, docs/long-context-keys.md); other K widths are unaffected
     int32_t v_sym;             // 1: 2-bit values are stored in symmetric blocks (one fp16 scale, no min: 0.25 bits
                                // per value less, docs/v-blocks.md); needs v_rotate; other V widths are unaffected
     // code widths per layer: 0 (all by default) gives a layer the widths of the K/V types; otherwise

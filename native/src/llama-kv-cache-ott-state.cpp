@@ -35,8 +35,9 @@ static void ott_read_tensor(llama_io_read_i & io, ggml_tensor * t, size_t off, s
 static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header;
 // 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths); 6: k_mix in the header and
-// beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter)
-static const uint32_t OTT_STATE_VERSION = 7;
+// beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter); 8: k_mix 2 (2-bit keys of
+// mixed widths 1/2/3: a 2-bit layer's K blocks may mean either, its flag beside its widths says which)
+static const uint32_t OTT_STATE_VERSION = 8;
 static const int      OTT_STATE_HDR     = 14; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
                                               // n_layer, K bits, V bits, v_rotate, k_mix, v_sym
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
@@ -214,8 +215,8 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
 }
 
 // Whether the sealed K groups [0, n_sealed) of (stream s, head h) of a k_mix layer have width tables the kernels can
-// walk: D/4 channels of each outer width, no unknown width code (a crafted state could otherwise make them read
-// past a group).
+// walk: D/4 channels of each outer width (kbits -+ 1, codes 0 and 2), no unknown width code (a crafted state could
+// otherwise make them read past a group).
 static bool ott_width_tables_ok(const ott_layer & L, int32_t s, int32_t h, int32_t n_sealed) {
     const size_t D = (size_t) L.op.D, gbytes = L.sealed_k->nb[1];
     const size_t kb = (gbytes - D/4)/D; // the nominal block bytes: the blocks take D of them

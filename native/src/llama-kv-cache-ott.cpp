@@ -173,8 +173,8 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         // the layer's own widths where the configuration gives them (llama_ott_config.layer_widths)
         const int32_t w = il < LLAMA_OTT_MAX_LAYERS ? cfg.layer_widths[il] : 0;
         const int32_t kbits = w ? w >> 4 : kv_type.kbits, vbits = w ? w & 15 : kv_type.vbits;
-        // k_mix changes the K format of 3-bit layers only (its widths are 3 +- 1)
-        const int32_t kmix = cfg.k_mix && kbits == 3;
+        // k_mix changes the K format of 3-bit layers (k_mix 1) and of 2-bit layers too (k_mix 2): widths kbits +- 1
+        const int32_t kmix = llama_ott_k_mixed(cfg, kbits);
         // v_sym changes the V format of 2-bit layers only
         const int32_t vsym = cfg.v_sym && vbits == 2;
         const ott_head_kernels * hkl = ott_head_find(kbits, vbits, kmix, vsym);
@@ -243,7 +243,7 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
     }
     LLAMA_LOG_INFO("%s: %s cache: %zu layers, %u seqs x %u ctx, K %d bits%s, V %d bits%s, G=%d R=%d Gv=%d "
                    "outliers=%d aux=%d (first %d layers none), kernels %s\n", __func__, kv_type.name, layers.size(),
-                   n_stream, n_ctx_seq, kv_type.kbits, cfg.k_mix && kv_type.kbits == 3 ? " mixed" : "", kv_type.vbits,
+                   n_stream, n_ctx_seq, kv_type.kbits, llama_ott_k_mixed(cfg, kv_type.kbits) ? " mixed" : "", kv_type.vbits,
                    cfg.v_rotate ? (cfg.v_sym && kv_type.vbits == 2 ? " rotated symmetric" : " rotated") : "", G, cfg.R, Gv,
                    cfg.outlier_num, cfg.aux_cap, cfg.no_outlier_layers, ott2_head_isa());
     std::string widths;

@@ -41,6 +41,12 @@ struct llama_ott_kv_type {
     bool         outliers; // outlier tracing (false: the KIVI baseline of the same width)
 };
 
+// whether a layer with kbits-bit keys stores them at widths per channel (kbits +- 1) under cfg.k_mix: level 1 mixes
+// 3-bit keys, level 2 2-bit keys too (ott_gguf.kv_types.K_MIX_WIDTHS)
+static inline bool llama_ott_k_mixed(const llama_ott_config & cfg, int32_t kbits) {
+    return (cfg.k_mix >= 1 && kbits == 3) || (cfg.k_mix >= 2 && kbits == 2);
+}
+
 // the cache types of the two sides, resolved once when the cache is created
 struct llama_ott_kv_pair {
     char    name[16]; // "ott2", or "ott3/ott2" (K/V) when the sides differ

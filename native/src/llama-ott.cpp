@@ -133,8 +133,8 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     if (c.v_rotate != 0 && c.v_rotate != 1) {
         return "v_rotate=" + std::to_string(c.v_rotate) + " must be 0 or 1";
     }
-    if (c.k_mix != 0 && c.k_mix != 1) {
-        return "k_mix=" + std::to_string(c.k_mix) + " must be 0 or 1";
+    if (c.k_mix < 0 || c.k_mix > 2) {
+        return "k_mix=" + std::to_string(c.k_mix) + " must be 0, 1 (3-bit keys) or 2 (2- and 3-bit keys)";
     }
     if (c.v_sym != 0 && c.v_sym != 1) {
         return "v_sym=" + std::to_string(c.v_sym) + " must be 0 or 1";
@@ -267,7 +267,7 @@ static llama_memory_i * ott_create_memory(const llama_model & model, const llama
     if (!bad.empty()) {
         throw std::runtime_error(std::string(pair.name) + ": " + bad);
     }
-    if (!ott_head_find(pair.kbits, pair.vbits, cfg.k_mix && pair.kbits == 3, cfg.v_sym && pair.vbits == 2)) {
+    if (!ott_head_find(pair.kbits, pair.vbits, llama_ott_k_mixed(cfg, pair.kbits), cfg.v_sym && pair.vbits == 2)) {
         throw std::runtime_error(std::string(pair.name) + ": this build has no kernels for " +
                                  std::to_string(pair.kbits) + "-bit keys with " + std::to_string(pair.vbits) +
                                  "-bit values");
