@@ -79,7 +79,7 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str, tier: bool = Tru
                    "chooses them; default: none, every layer at the types' widths)")  # fmt: skip
     p.add_argument("--ott-params", metavar=OTT_PARAMS, default="",
                    help="parameters of an ott cache, as llama.cpp's tools of this build take them (default "
-                   "128,32,3,32,2,1,1,0)")  # fmt: skip
+                   "128,32,3,32,2,1,2,0)")  # fmt: skip
 
 
 OTT_PARAMS = "G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS[,V_ROTATE[,K_MIX[,V_SYM]]]"

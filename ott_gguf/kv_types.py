@@ -23,11 +23,11 @@ KIVI_KV_TYPES: frozenset[str] = frozenset(t for t in OTT_KV_TYPES if t.startswit
 
 MeanMode = Literal["non_outlier", "all"]
 _BITS = (2, 3, 4)
-# k_mix's levels: the key widths whose sealed groups mix widths per channel (w - 1, w, w + 1 bits). 1 (True, the
-# default): 3-bit keys (2/3/4); 2: 2-bit keys too (1/2/3, docs/long-context-keys.md; an option until the 8k
-# measurement decides ott2's default); 0 (False): none
+# k_mix's levels: the key widths whose sealed groups mix widths per channel (w - 1, w, w + 1 bits). 2 (the
+# default): 2-bit keys (1/2/3, docs/long-context-keys.md) and 3-bit keys (2/3/4); 1 (True): 3-bit keys only
+# (docs/k-channel-widths.md); 0 (False): none
 K_MIX_WIDTHS: dict[int, tuple[int, ...]] = {0: (), 1: (3,), 2: (2, 3)}
-K_MIX_BITS = 3  # the key width k_mix's default level mixes (2, 3 and 4-bit channels in groups of 3-bit keys)
+K_MIX_DEFAULT = 2  # docs/long-context-keys.md: the measurement that made 2 the default
 V_SYM_BITS = 2  # v_sym stores 2-bit values in symmetric blocks
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
@@ -51,12 +51,12 @@ class OttConfig:
 
     k_mix: K widths per channel, chosen per sealed group (docs/k-channel-widths.md): in
     a group of 3-bit keys, the quarter of the channels with the largest range*max|k| get 4 bits and the quarter
-    with the smallest get 2, so a group holds the same code bits; a table of the widths goes with the group.
-    Layers whose keys are not 3 bits wide quantize as without it. On by default: at the bytes of 3-bit keys (plus
-    0.016 bits per key element) it cuts the KL divergence of ott3/ott2 by about a third on both test models
-    (docs/tiers.md); k_rotate needs it off. k_mix=2: 2-bit keys mix widths too (1/2/3 bits, a quarter of the
-    channels at 1 bit clipped to quantizer.K_CLIP64[1] and a quarter at 3; docs/long-context-keys.md), the same
-    rule one width lower; True is 1 (3-bit keys only), False 0 (K_MIX_WIDTHS).
+    with the smallest get 2, so a group holds the same code bits; a table of the widths goes with the group. At
+    level 2 (the default, K_MIX_DEFAULT) 2-bit keys mix widths by the same rule one width lower (1/2/3 bits, the
+    1-bit channels clipped to quantizer.K_CLIP64[1]; docs/long-context-keys.md); level 1 (True) mixes 3-bit keys
+    only, 0 (False) none (K_MIX_WIDTHS); 4-bit keys never. For 0.016 bits per key element it cuts the KL
+    divergence of ott3/ott2 by about a third (docs/tiers.md) and ott2's by more than half, most at long context
+    (docs/long-context-keys.md). k_rotate needs it off.
 
     v_sym: 2-bit values in symmetric blocks (one fp16 scale, no min, levels centred on zero; quantizer module
     docstring): 0.25 bits per value less at about 5% more value error, since rotated values are centred
@@ -82,7 +82,7 @@ class OttConfig:
     v_rotate: bool = True
     clip: bool = True
     layer_widths: str = ""
-    k_mix: bool | int = True  # 0/False, 1/True or 2: K_MIX_WIDTHS
+    k_mix: bool | int = K_MIX_DEFAULT  # 0/False, 1/True or 2: K_MIX_WIDTHS
     v_sym: bool = False
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from ott_gguf.corpus import docs_text
 from ott_gguf.evaluate import import_pyplot
 from ott_gguf.info import measure_kv_bytes
 from ott_gguf.kv_types import OttConfig, resolve_kv_types
+from ott_gguf.tiers import quality_config
 
 # the quality tier of issue 12 (3- or 4-bit keys, 2-bit rotated values) beside the maximum-compression ott2
 KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "ott4/ott2")
@@ -35,8 +36,9 @@ KV_TYPES = ("f16", "q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "ott4/ott2")
 # calibration text disjoint from the text measured here)
 QUALITY = "ott3/ott2 tier"
 QUALITY_TIERS: dict[str, OttConfig] = {
-    "smollm2-135m": OttConfig(R=64, v_sym=True, layer_widths="0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2"),
-    "gemma3-270m": OttConfig(R=64, v_sym=True, layer_widths="11:3/3,17:2/2"),
+    # the product's quality tier (ott_gguf.tiers.QUALITY_PARAMS: R 64, symmetric V, k_mix 1) with each model's widths
+    "smollm2-135m": quality_config("0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2"),
+    "gemma3-270m": quality_config("11:3/3,17:2/2"),
 }
 
 

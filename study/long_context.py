@@ -64,7 +64,8 @@ DEFAULT_TIERS: dict[str, Tier] = {
     "kivi2": Tier("kivi2", "kivi2", True),
     "ott2": Tier("ott2", "ott2", True),
     "ott3/ott2": Tier("ott3", "ott2", True),
-    "ott2 kmix2": Tier("ott2", "ott2", True, k_mix=2),  # k_mix on 2-bit keys too (docs/long-context-keys.md)
+    # 2-bit keys uniform (k_mix 1: mixed widths in 3-bit keys only), ott2's default before k_mix 2
+    "ott2 uniform K": Tier("ott2", "ott2", True, k_mix=1),
 }
 TIERS = ("q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "quality")
 
@@ -101,7 +102,10 @@ def measure(
     `keep` when given and reused from there)."""
     have = {(r["run"], r["args"]): r for r in read_raw(raw)}
     todo = [(name, t) for name, t in tiers if (run.key, " ".join(t.args())) not in have]
-    rows = {name: have.get((run.key, " ".join(t.args()))) for name, t in tiers}
+    # a stored row under the tier's label of today (labels name what differs from the defaults, which change)
+    rows = {
+        name: {**r, "label": t.label} if (r := have.get((run.key, " ".join(t.args())))) else None for name, t in tiers
+    }
     if todo:
         path = models.fetch(run.model, quiet=True)
         with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,7 @@ from ott_gguf import models
 from ott_gguf._lib import bin_path
 from ott_gguf.calibrate import cache_bits
 from ott_gguf.corpus import docs_text
+from ott_gguf.kv_types import K_MIX_DEFAULT, K_MIX_WIDTHS
 
 from .benchmarks import QUALITY_TIERS, TEXT_BYTES, perplexity_numbers
 
@@ -41,9 +42,9 @@ class Tier:
     v: str  # cache type of V
     v_rotate: bool | None = None  # None: a stock type (llama.cpp's own rotation applies)
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
-    # K widths per channel in the groups of 3-bit keys (True, the default; docs/k-channel-widths.md), of 2-bit keys
-    # too with 2 (docs/long-context-keys.md)
-    k_mix: bool | int = True
+    # K widths per channel in sealed groups (kv_types.K_MIX_WIDTHS): 2, the default, in groups of 2- and 3-bit keys
+    # (docs/long-context-keys.md); 1 in groups of 3-bit keys only (docs/k-channel-widths.md); 0 nowhere
+    k_mix: bool | int = 2
     v_sym: bool = False  # symmetric 2-bit V blocks (docs/v-blocks.md)
     R: int = 32  # the fp16 recent window
     outliers: int = 3  # outlier_num
@@ -55,11 +56,17 @@ class Tier:
         name = self.k if self.k == self.v else f"{self.k}/{self.v}"
         if self.v_rotate is None:
             return name
-        uniform = not self.k_mix and "3" in self.k and not self.layers  # where k_mix would apply but is off
-        name += (
-            (" +rotV" if self.v_rotate else "") + (" +symV" if self.v_sym else "") + (" uniform K" if uniform else "")
-        )
-        name += " +kmix2" if self.k_mix == 2 and "2" in self.k else ""
+        # keys of a width the default level mixes, left uniform by this tier's level: "uniform K" (the base pair's
+        # keys), "uniform W-bit K" (those of some --ott-layers layers only)
+        mixes, default = K_MIX_WIDTHS[int(self.k_mix)], K_MIX_WIDTHS[K_MIX_DEFAULT]
+        kb = int(self.k[-1])
+        key_widths = {kb} | {int(item.split(":")[1].split("/")[0]) for item in self.layers.split(",") if item}
+        uniform = sorted(w for w in key_widths if w in default and w not in mixes)
+        name += (" +rotV" if self.v_rotate else "") + (" +symV" if self.v_sym else "")
+        if uniform == [kb] and not self.layers:
+            name += " uniform K"
+        elif uniform:
+            name += " uniform " + "/".join(map(str, uniform)) + "-bit K"
         name += f" R={self.R}" if self.R != 32 else ""
         name += f" O={self.outliers}" if self.outliers != 3 else ""
         name += f" aux={self.aux}" if self.aux != 32 else ""
@@ -87,11 +94,13 @@ TIERS = (
     Tier("q8_0", "q8_0"),
     Tier("q4_0", "q4_0"),
     Tier("kivi2", "kivi2", True),
+    Tier("kivi2", "kivi2", True, k_mix=1),  # 2-bit keys uniform: the default before k_mix 2
     Tier("kivi3", "kivi2", True),
     Tier("kivi3", "kivi2", True, k_mix=False),
     # rotated V against plain on the two candidates (the default is decided by these); the other pairs rotated
     Tier("ott2", "ott2", False),
     Tier("ott2", "ott2", True),
+    Tier("ott2", "ott2", True, k_mix=1),
     Tier("ott2", "ott2", True, v_sym=True),
     Tier("ott3", "ott2", False),
     Tier("ott3", "ott2", True),
@@ -199,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed", action="store_true", help="decode speed instead of fidelity")
     ap.add_argument("--depth", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="", help="fidelity: these row labels only, ';'-separated (q4_0 always runs)")
     a = ap.parse_args(argv)
+    only = [x.strip() for x in a.only.split(";") if x.strip()]
     t0 = time.time()
     parts, log = [], []
     if a.speed:
@@ -221,16 +232,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in a.models.split(","):
         print(f"{name}:", file=sys.stderr, flush=True)
-        rows = measure(models.fetch(name, quiet=True), a.threads, a.chunks, log, model_tiers(name))
+        tiers = model_tiers(name)
+        if only:
+            unknown = set(only) - {t.label for t in tiers} - {"quality"}  # quality: the model's calibrated row
+            if unknown:
+                ap.error(f"{name}: no row labelled {sorted(unknown)}; rows: {[t.label for t in tiers]}")
+            tiers = tuple(t for t in tiers if t.k == "q4_0" or t.label in only or (t.layers and "quality" in only))
+        rows = measure(models.fetch(name, quiet=True), a.threads, a.chunks, log, tiers)
         parts.append(markdown(name, rows))
     when = time.strftime("%a %b %d %H:%M:%S %Y")
     text = (
         "# Quality per byte: K/V widths per side and rotated V\n\n"
         f"Measured {when} on {platform.machine()}, {a.threads} threads, in {time.time() - t0:.0f} s "
-        f"(`python -m study.tiers --out {a.out} --models {a.models} --chunks {a.chunks}`).\n\n"
+        f"(`python -m study.tiers --out {a.out} --models {a.models} --chunks {a.chunks}"
+        + (f" --only '{a.only}'" if only else "")
+        + "`).\n\n"
         "llama-perplexity over 2048-token chunks of the pinned llama.cpp docs, KL divergence against f16; "
-        "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`); 3-bit keys run k_mix (K widths per "
-        "channel, the default: docs/k-channel-widths.md) unless marked `uniform K`. Bits per element: the bytes the "
+        "`+rotV`: V quantized from its Hadamard-rotated values (`v_rotate`); 2- and 3-bit keys run k_mix (K widths "
+        "per channel in each sealed group, the default: docs/long-context-keys.md, docs/k-channel-widths.md) unless "
+        "marked `uniform K` (`uniform 2-bit K`: the layers with 2-bit keys only). Bits per element: the bytes the "
         "cache allocates for 2k/8k/32k tokens (fp16 tail, pools and, for Gemma 3, its f16 window layers "
         "included) over the K and V elements of those tokens in every layer. The ott caches split llama-perplexity's "
         "512-token ubatches at their seal boundaries (batch invariance, issue 13), so every position is scored "

@@ -55,7 +55,8 @@ def test_seal_and_attention_match_reference(kbits: int, vbits: int, G: int, Gv: 
 def test_ties_and_constant_groups(isa: str) -> None:
     """Equal scores (ties go to the earlier position) and constant channels (scale 0) in every field."""
     hk = head_set(2, 2, 64, 32, isa)
-    cfg = ref.OttConfig(bits=2, G=64, R=32, Gv=32, outlier_num=3, aux_cap=8, v_rotate=False)  # a constant V block
+    # a constant V block; k_mix 1: the uniform 2-bit head (G 64 has no mixed-width one; ties do not depend on it)
+    cfg = ref.OttConfig(bits=2, G=64, R=32, Gv=32, outlier_num=3, aux_cap=8, v_rotate=False, k_mix=1)
     rng = np.random.default_rng(0)
     n, D = 4 * 64 + 40, 64
     k = np.tile(rng.standard_normal((1, D)).astype(np.float32), (n, 1))  # every token the same key: all tie
@@ -69,8 +70,8 @@ def test_ties_and_constant_groups(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", K.isas)
 def test_planted_outlier_is_caught(isa: str) -> None:
-    cfg = ref.OttConfig()  # the defaults (V rotated)
-    hk = head_set(2, 2, 128, 64, isa, vrot=cfg.v_rotate)
+    cfg = ref.OttConfig()  # the defaults (V rotated, 2-bit keys of mixed widths)
+    hk = head_set(2, 2, 128, 64, isa, vrot=cfg.v_rotate, kmix=cfg.k_mixed)
     rng = np.random.default_rng(1)
     n, D = 3 * 128 + 32, 64
     k = (rng.standard_normal((n, D)) * 4).astype(np.float32)
@@ -131,7 +132,7 @@ def test_integer_values_are_modeled(isa: str, vrot: bool) -> None:
     weights, whose quantization moves the output past fp32 rounding (16 bits) or far past it (8 bits)."""
     hk = head_set(2, 2, 128, 64, isa, vrot=vrot)
     assert hk.vint == {"avx2": 8, "avx512vnni": 16}.get(isa, 0)
-    cfg = ref.OttConfig(k_bits=2, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=vrot)
+    cfg = ref.OttConfig(k_bits=2, v_bits=2, G=128, R=32, Gv=64, outlier_num=3, aux_cap=8, v_rotate=vrot, k_mix=1)
     rng = np.random.default_rng(5)
     n, D = 4 * 128 + 40, 64
     k, v = keys_values(rng, n, D)

@@ -72,7 +72,7 @@ def test_the_c_struct_carries_v_rotate_k_mix_and_v_sym_as_its_last_int32s() -> N
     assert OttConfig().native()[-3:] == (1, 1, 0)
     assert OttConfig(v_rotate=False, k_mix=False).native()[-3:] == (0, 0, 0)
     assert OttConfig(v_sym=True).native()[-1] == 1
-    c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,1,0: one default
+    c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,2,0: one default
     assert c_default == OttConfig() and c_default.v_rotate is True and c_default.k_mix is True
     assert c_default.v_sym is False
     assert _lib.config_problem(OttConfig(v_rotate=True, k_mix=False)) == ""
@@ -310,7 +310,7 @@ def test_server_command_per_side_and_ott_params(smollm2: Path) -> None:
     cmd = server_command(smollm2, type_k="ott3", type_v="ott2")
     assert (flag(cmd, "-ctk"), flag(cmd, "-ctv")) == ("ott3", "ott2")
     # Python's configuration, v_rotate included, not llama-server's own defaults
-    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1,1,0" and "--no-kv-unified" in cmd
+    assert flag(cmd, "--ott-params") == "128,32,3,32,2,1,2,0" and "--no-kv-unified" in cmd
     cmd = server_command(smollm2, kv_type="kivi4/kivi2", ott_config=OttConfig(R=16, v_rotate=False))
     assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == (
         "kivi4",
@@ -338,7 +338,7 @@ def test_serve_defaults_to_ott2_like_generate_and_chat(smollm2: Path, capsys: py
     assert code == 0, err
     cmd = ran[0]
     assert (cmd[cmd.index("-ctk") + 1], cmd[cmd.index("-ctv") + 1]) == ("ott2", "ott2")
-    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1,1,0" and "kv_type=ott2" in out
+    assert cmd[cmd.index("--ott-params") + 1] == "128,32,3,32,2,1,2,0" and "kv_type=ott2" in out
 
 
 def test_serve_with_a_type_per_side(smollm2: Path, tmp_path: Path) -> None:

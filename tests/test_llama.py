@@ -223,7 +223,7 @@ def test_llama_cpp_python_server_runs_ott2_through_the_openai_client(smollm2: Pa
         proc.wait(timeout=30)
     text = log.read_text(errors="replace")
     line = next((s for s in text.splitlines() if "ott2 cache:" in s), "")
-    assert "llama_kv_cache_ott" in line and "K 2 bits, V 2 bits" in line, text[-3000:]
+    assert "llama_kv_cache_ott" in line and "K 2 bits mixed, V 2 bits" in line, text[-3000:]
 
 
 def test_embeddings_with_an_ott_type_say_what_to_use(smollm2: Path) -> None:

@@ -14,11 +14,11 @@ from study.tiers import Tier
 def test_tier_params_round_trip() -> None:
     t = LC.tier_of("ott2/ott2@128,48,6,64,0,1,1,0", "smollm2-135m")
     assert t.args() == ["-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,48,6,64,0,1,1,0"]
-    assert t.label == "ott2 +rotV R=48 O=6 aux=64 NOL=0"
+    assert t.label == "ott2 +rotV uniform K R=48 O=6 aux=64 NOL=0"  # k_mix 1: 2-bit keys uniform
     assert t.ott_config() == {"v_rotate": True, "layer_widths": "", "k_mix": True, "v_sym": False, "R": 48,
                               "outlier_num": 6, "aux_cap": 64, "no_outlier_layers": 0}  # fmt: skip
     # the defaults give docs/tiers.md's commands unchanged
-    assert Tier("ott3", "ott2", True).args()[-1] == "128,32,3,32,2,1,1,0"
+    assert Tier("ott3", "ott2", True).args()[-1] == "128,32,3,32,2,1,2,0"
     assert LC.tier_of("q4_0", "smollm2-135m").args() == ["-ctk", "q4_0", "-ctv", "q4_0"]
     q = LC.tier_of("quality", "smollm2-135m")
     assert q.args()[5] == "128,64,3,32,2,1,1,1" and q.layers

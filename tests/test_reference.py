@@ -256,7 +256,7 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         kf = BlockFormat(cfg.kbits, G, K_CLIP64[cfg.kbits])
         qk = quantize(xk32.T, kf)
         if cfg.k_mixed:
-            widths = model_key_widths(xk32)
+            widths = model_key_widths(xk32, cfg.kbits)
             assert g.k_widths is not None and g.k_widths.tolist() == widths
             parts = [quantize(xk32[:, c][None, :], BlockFormat(w, G, K_CLIP64[w])) for c, w in enumerate(widths)]
             codes = np.stack([q.codes[0, 0] for q in parts])[:, None, :]
@@ -294,20 +294,20 @@ def check_against_model(s: HeadState, cfg: OttConfig, on: int, k16: np.ndarray, 
         assert np.array_equal(g.v_hat, decode_values(g.v_codes, g.v_scale, g.v_min, cfg))
 
 
-def model_key_widths(k: np.ndarray) -> list[int]:
+def model_key_widths(k: np.ndarray, kbits: int = 3) -> list[int]:
     """k_mix's widths, written from its description: rank by fp32 (max - min) * max(|max|, |min|), largest
-    first, ties to the lower channel; the first quarter 4 bits, the last quarter 2, the rest 3."""
+    first, ties to the lower channel; the first quarter kbits + 1 bits, the last quarter kbits - 1, the rest kbits."""
     D = k.shape[1]
     crit = [
         float(np.float32(np.float32(k[:, c].max() - k[:, c].min()) * max(abs(k[:, c].max()), abs(k[:, c].min()))))
         for c in range(D)
     ]
     order = sorted(range(D), key=lambda c: (-crit[c], c))
-    widths = [3] * D
+    widths = [kbits] * D
     for c in order[: D // 4]:
-        widths[c] = 4
+        widths[c] = kbits + 1
     for c in order[D - D // 4 :]:
-        widths[c] = 2
+        widths[c] = kbits - 1
     return widths
 
 
@@ -633,7 +633,8 @@ def test_ties_go_to_the_earlier_position() -> None:
 def test_aux_pool_overflow_stops_tracing(aux_cap: int, stop_group: int) -> None:
     """Every group brings 3 smaller keys, so 3 pool members lose each time. When the aux pool cannot take them,
     that group runs no competition (quantized unchanged), tracing stops, and every token is still served."""
-    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=3, aux_cap=aux_cap, no_outlier_layers=0)
+    # k_mix 1: 2-bit keys uniform, so a group that runs no competition is compared with plain 2-bit codes
+    cfg = OttConfig(G=32, R=0, Gv=32, outlier_num=3, aux_cap=aux_cap, no_outlier_layers=0, k_mix=1)
     rng = np.random.default_rng(4)
     n_groups, D = 5, 64
     k = rng.standard_normal((n_groups * 32, D)).astype(np.float32) * 5
@@ -672,9 +673,10 @@ def test_planted_outlier_is_caught_and_narrows_the_channel() -> None:
     v = rng.standard_normal(k.shape).astype(np.float32)
     states = {}
     for name, cfg in {
-        "ott": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0),
-        "all": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0, mean="all"),
-        "kivi": OttConfig.kivi2(G=G, R=8, Gv=32),
+        # k_mix 1 (2-bit keys uniform): the scales below are those of one 2-bit format per channel
+        "ott": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0, k_mix=1),
+        "all": OttConfig(G=G, R=8, Gv=32, no_outlier_layers=0, mean="all", k_mix=1),
+        "kivi": OttConfig.kivi2(G=G, R=8, Gv=32, k_mix=1),
     }.items():
         cache = OttCache(cfg, 1, 1, D)
         run(cache, 0, 0, None, k[:, None], v[:, None], [])
@@ -880,9 +882,11 @@ def test_no_outlier_layers_never_pool() -> None:
 def test_effective_bits() -> None:
     cfg = OttConfig(G=128, R=32, Gv=128)
     D = 128
-    # 160 positions: one sealed group (128) and a 32-token tail; 35 pool slots
+    # 160 positions: one sealed group (128) and a 32-token tail; 35 pool slots; k_mix's 2-bit width per channel
     want = 2 * 128 * D * 2 + 32 * D * 128 / 128 + 32 * 128 * D / 128 + 2 * 16 * D * 32 + 35 * (2 * 16 * D + 64)
-    assert sum(memory_bits(cfg, D, 160).values()) == want
+    assert sum(memory_bits(cfg, D, 160).values()) == want + 2 * D
+    assert sum(memory_bits(cfg.replace(k_mix=1), D, 160).values()) == want
+    cfg = cfg.replace(k_mix=1)  # below: uniform 2-bit keys, the spec's 2.25 bits
     assert effective_bits(cfg, D, 160) == want / (2 * 160 * D)
     assert abs(effective_bits(cfg, D, 128 * 100_000 + 32) - 2.25) < 1e-3  # the spec's 2.25
     kivi = OttConfig.kivi2(G=128, R=32, Gv=128)
@@ -917,22 +921,22 @@ def test_k_mix_widths_keep_the_bits_and_follow_the_rule() -> None:
         OttConfig(k_mix=3)
     with pytest.raises(ValueError, match="k_mix must be False/0, True/1"):
         OttConfig(k_mix=1.0)  # type: ignore[arg-type]
-    assert OttConfig(k_mix=1) == OttConfig() and not OttConfig(k_mix=0, k_bits=3).k_mixed
+    assert OttConfig(k_mix=2) == OttConfig() and not OttConfig(k_mix=0, k_bits=3).k_mixed
 
 
 def test_k_mix_2_mixes_2_bit_keys_as_the_study_option() -> None:
     """k_mix=2 (docs/long-context-keys.md): groups of 2-bit keys get 1/2/3-bit channels in quarters, bit for bit
-    KeyMix() (the measured study option); 3-bit keys keep k_mix's 2/3/4; ott2's default stays uniform 2-bit keys;
-    the width table is counted in the bytes."""
+    KeyMix() (the measured study option); 3-bit keys keep k_mix's 2/3/4; ott2's default since
+    the 8k measurement (docs/long-context-keys.md); the width table is counted in the bytes."""
     rng = np.random.default_rng(52)
     G = 128
     cfg = OttConfig(k_mix=2, outlier_num=0)
     assert cfg.k_mixed and cfg.replace(k_bits=3).k_mixed and not cfg.replace(k_bits=4).k_mixed
-    assert not OttConfig().k_mixed  # the default: 2-bit keys uniform
+    assert OttConfig().k_mixed and not OttConfig(k_mix=1).k_mixed  # the default mixes 2-bit keys; level 1 does not
     for D in (64, 128):
         k = (rng.standard_normal((G, D)) * rng.lognormal(0, 1.5, D)).astype(np.float16)
         got = quantize_keys(k, cfg)
-        want = quantize_keys(k, OttConfig(outlier_num=0), KeyMix())
+        want = quantize_keys(k, OttConfig(outlier_num=0, k_mix=1), KeyMix())
         assert got[5] is not None and [int((got[5] == b).sum()) for b in (1, 2, 3)] == [D // 4, D // 2, D // 4]
         for a, b in zip(got, want, strict=True):
             if isinstance(a, np.ndarray):
@@ -951,7 +955,7 @@ def test_k_mix_2_mixes_2_bit_keys_as_the_study_option() -> None:
             if isinstance(a, np.ndarray):
                 np.testing.assert_array_equal(a, b)
         # bytes: the codes of 2-bit keys plus a 2-bit width per channel and group
-        mixed, plain = memory_bits(cfg, D, 4096), memory_bits(OttConfig(), D, 4096)
+        mixed, plain = memory_bits(cfg, D, 4096), memory_bits(OttConfig(k_mix=1), D, 4096)
         assert mixed["codes"] == plain["codes"] and mixed["k_widths"] == 2 * D * 31 and plain["k_widths"] == 0
     # a whole cache seals 2-bit groups mixed, and serves what the codes decode to
     cache = OttCache(cfg, 1, 1, 64)
@@ -987,14 +991,14 @@ def test_k_mix_lowers_the_score_error_at_the_same_code_bits() -> None:
 
 def test_key_mix_study_option_widths_error_and_default() -> None:
     """KeyMix (issue 51's study option, docs/long-context-keys.md): 2-bit keys with widths exactly 1/2/3 in the
-    quarters of the k_mix ranking, each width's error bounded by its own step; KeyMix(3, 2, 4) is k_mix; the
-    default ott2 keys are untouched."""
+    quarters of the k_mix ranking, each width's error bounded by its own step; KeyMix(3, 2, 4) is k_mix; without
+    a mix, k_mix 1 leaves 2-bit keys uniform."""
     rng = np.random.default_rng(51)
     G = 128
     for D in (64, 256):
         k = (rng.standard_normal((G, D)) * rng.lognormal(0, 1.5, D)).astype(np.float16)
         kf = k.astype(np.float32)
-        cfg = OttConfig(outlier_num=0)  # 2-bit keys, clipped, k_mix on (which leaves 2-bit keys alone)
+        cfg = OttConfig(outlier_num=0, k_mix=1)  # 2-bit keys, clipped, k_mix 1 (which leaves 2-bit keys alone)
         mix = KeyMix()
         codes, d, m, k_hat, rotated, w = quantize_keys(k, cfg, mix)
         assert not rotated and w is not None and w.dtype == np.uint8
@@ -1020,7 +1024,7 @@ def test_key_mix_study_option_widths_error_and_default() -> None:
         for a, b in zip(ref[:4], got[:4], strict=True):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(ref[5], got[5])
-        # the default (no mix) is plain clipped 2-bit keys, no widths table
+        # k_mix 1 without a mix: plain clipped 2-bit keys, no widths table
         codes0, d0, m0, k_hat0, _, w0 = quantize_keys(k, cfg)
         q = quantize(kf.T, BlockFormat(2, G, K_CLIP64[2]))
         assert w0 is None

@@ -35,7 +35,7 @@ struct llama_ott_config {
     uint8_t layer_widths[LLAMA_OTT_MAX_LAYERS];
 };
 
-// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 1 (docs/tiers.md), v_sym 0
+// The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 2 (docs/long-context-keys.md), v_sym 0
 // (docs/v-blocks.md), no per-layer widths.
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 

@@ -60,7 +60,7 @@ llama_ott_config llama_ott_config_default(void) {
     c.aux_cap = 32;
     c.no_outlier_layers = 2;
     c.v_rotate = 1;
-    c.k_mix = 1; // docs/tiers.md
+    c.k_mix = 2; // 2- and 3-bit keys mix widths per channel: docs/long-context-keys.md
     c.v_sym = 0; // docs/v-blocks.md; layer_widths all 0: every layer takes the widths of the K/V types
     return c;
 }
