@@ -40,31 +40,54 @@ CTX_STEP = 256  # the longest context is rounded down to this (a multiple of ott
 MIB = 1 << 20
 
 
-_LOG_LOCK = threading.RLock()
+_LOG_LOCK = threading.Lock()
+# thread id -> the line lists of its open captures (innermost last)
+_CAPTURES: dict[int, list[list[str]]] = {}
+# the one log callback this module installs, with the one it forwards to: installed once and never freed, since
+# llama.cpp may be inside a call to it on another thread at any time (a callback swapped in per capture and freed
+# after it crashed two threads creating ott Llama objects at once: one was still logging through the other's)
+_DISPATCH: list[object] = []
+
+
+def _dispatcher() -> None:
+    lc = _lib.llama_cpp_module().llama_cpp
+    with _LOG_LOCK:
+        if _DISPATCH:
+            return
+        old_cb = lc.llama_log_callback()
+        old_ud = ctypes.c_void_p()
+        lc.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_ud))
+
+        @lc.llama_log_callback
+        def dispatch(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            stack = _CAPTURES.get(threading.get_ident())
+            if stack:
+                stack[-1].append(text.decode("utf-8", errors="replace"))
+            elif old_cb:
+                old_cb(level, text, old_ud)
+
+        _DISPATCH.extend([dispatch, old_cb, old_ud])
+        lc.llama_log_set(dispatch, ctypes.c_void_p(0))
 
 
 @contextmanager
 def captured_log() -> Iterator[list[str]]:
-    """Collect llama.cpp/ggml log text (instead of printing it) while the block runs; restore the logger after.
-    The logger is one per process: captures from several threads take turns (_LOG_LOCK), or a thread could restore
-    another's collector after that one was freed, and llama.cpp's next log line would call freed memory (two
-    threads creating ott Llama objects at once crashed so)."""
-    lc = _lib.llama_cpp_module().llama_cpp
+    """Collect the llama.cpp/ggml log text this thread produces (instead of printing it) while the block runs; other
+    threads' lines go where they went before (llama-cpp-python's logger). The logger is one per process: one
+    dispatching callback is installed once and routes each line by the thread that logs it."""
+    _dispatcher()
     lines: list[str] = []
-
-    @lc.llama_log_callback
-    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        lines.append(text.decode("utf-8", errors="replace"))
-
+    tid = threading.get_ident()
     with _LOG_LOCK:
-        old_cb = lc.llama_log_callback()
-        old_ud = ctypes.c_void_p()
-        lc.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_ud))
-        lc.llama_log_set(collect, ctypes.c_void_p(0))
-        try:
-            yield lines
-        finally:
-            lc.llama_log_set(old_cb, old_ud)
+        _CAPTURES.setdefault(tid, []).append(lines)
+    try:
+        yield lines
+    finally:
+        with _LOG_LOCK:
+            stack = _CAPTURES[tid]
+            del stack[max(i for i, x in enumerate(stack) if x is lines)]  # by identity: equal lists are not it
+            if not stack:
+                del _CAPTURES[tid]
 
 
 @dataclass(frozen=True)

@@ -351,3 +351,32 @@ def test_log_captures_from_two_threads_leave_the_logger_as_it_was() -> None:
     for t in threads:
         t.join(10)
     assert current() == before
+
+
+def test_log_capture_is_per_thread_and_nests(smollm2: Path) -> None:
+    """ott_gguf's log capture (info.captured_log) takes only the lines of its own thread, into the innermost open
+    capture: a model another thread loads meanwhile logs where it would have (once, a capture took those lines
+    through a callback it freed on exit while that thread was still inside it: a crash)."""
+    import threading
+
+    from ott_gguf import _lib
+    from ott_gguf.info import captured_log
+
+    lc = _lib.llama_cpp_module().llama_cpp
+
+    def load() -> None:  # llama.cpp logs the model's metadata while it loads
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        model = lc.llama_model_load_from_file(str(smollm2).encode(), params)
+        assert model
+        lc.llama_model_free(model)
+
+    with captured_log() as outer:
+        with captured_log() as inner:
+            other = threading.Thread(target=load)
+            other.start()
+            other.join()
+        assert inner == [] and outer == []  # another thread's lines are not this thread's
+        load()
+    assert any("llama_model_loader" in line or "print_info" in line for line in outer), outer[:5]
+    assert inner == []
