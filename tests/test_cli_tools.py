@@ -184,13 +184,13 @@ def test_a_configured_tier_runs_with_its_parameters(smollm2: Path) -> None:
     tiers = {"tier": ("ott3/ott2", cfg)}
     cmd = bench_command(smollm2, "ott3/ott2", depths=[0], n_prompt=0, n_gen=4, threads=THREADS, reps=1, ott_config=cfg)
     assert (
-        cmd[cmd.index("--ott-params") + 1] == "128,64,3,32,2,1,1,1" and cmd[cmd.index("--ott-layers") + 1] == "0-2:3/3"
+        cmd[cmd.index("--ott-params") + 1] == "128,64,3,32,2,1,2,1" and cmd[cmd.index("--ott-layers") + 1] == "0-2:3/3"
     )
     seen: list[str] = []
     rows = bench(smollm2, ["ott3/ott2", "tier"], depths=[256], n_prompt=0, n_gen=4, threads=THREADS, reps=1,
                  progress=seen.append, tiers=tiers)  # fmt: skip
     assert [r.kv_type for r in rows] == ["ott3/ott2", "tier"] and all(r.tokens_per_s > 0 for r in rows)
-    assert "--ott-params" not in seen[0] and "--ott-params 128,64,3,32,2,1,1,1 --ott-layers 0-2:3/3" in seen[1]
+    assert "--ott-params" not in seen[0] and "--ott-params 128,64,3,32,2,1,2,1 --ott-layers 0-2:3/3" in seen[1]
     plain, tier, sym = info.measure_kv_bytes(smollm2, ["ott3/ott2", "tier", "sym"], n_ctx=(2048, 8192),
                                              tiers={**tiers, "sym": ("ott3/ott2", OttConfig(v_sym=True))})  # fmt: skip
     assert tier.kv_type == "tier" and sym.kv_type == "sym"

@@ -69,11 +69,11 @@ def test_bad_pairs_are_refused_with_the_rule(k: object, v: object, message: str)
 def test_the_c_struct_carries_v_rotate_k_mix_and_v_sym_as_its_last_int32s() -> None:
     assert OttConfig.NATIVE_FIELDS[-3:] == ("v_rotate", "k_mix", "v_sym") and len(OttConfig.NATIVE_FIELDS) == 8
     assert ctypes.sizeof(_lib.LlamaOttConfig) == 8 * 4 + 256  # then a byte per layer (test_layer_widths.py)
-    assert OttConfig().native()[-3:] == (1, 1, 0)
+    assert OttConfig().native()[-3:] == (1, 2, 0)
     assert OttConfig(v_rotate=False, k_mix=False).native()[-3:] == (0, 0, 0)
     assert OttConfig(v_sym=True).native()[-1] == 1
     c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,2,0: one default
-    assert c_default == OttConfig() and c_default.v_rotate is True and c_default.k_mix is True
+    assert c_default == OttConfig() and c_default.v_rotate is True and c_default.k_mix == 2
     assert c_default.v_sym is False
     assert _lib.config_problem(OttConfig(v_rotate=True, k_mix=False)) == ""
     assert _lib.config_problem(OttConfig(v_sym=True)) == ""
@@ -315,7 +315,7 @@ def test_server_command_per_side_and_ott_params(smollm2: Path) -> None:
     assert (flag(cmd, "-ctk"), flag(cmd, "-ctv"), flag(cmd, "--ott-params")) == (
         "kivi4",
         "kivi2",
-        "128,16,3,32,2,0,1,0",
+        "128,16,3,32,2,0,2,0",
     )
     cmd = server_command(smollm2, kv_type="ott2", extra=["--ott-params", "128,16,3,32,2"])
     assert cmd.count("--ott-params") == 1 and cmd[-1] == "128,16,3,32,2"  # the caller's own

@@ -105,7 +105,9 @@ def test_reference_seals_each_layer_at_its_widths() -> None:
         cache.process_ubatch(0, layer, None, k, v, np.arange(n))
         alone.process_ubatch(0, layer, None, k, v, np.arange(n))
     g0, g1 = cache.state(0, 0, 0).groups[0], cache.state(0, 1, 0).groups[0]
-    assert g0.k_codes.max() == 3 and g0.v_codes.max() == 3
+    # layer 0: 2-bit keys of widths 1/2/3 per channel (k_mix 2, the default), codes within each channel's width
+    assert g0.k_widths is not None and sorted(set(g0.k_widths.tolist())) == [1, 2, 3] and g0.v_codes.max() == 3
+    assert (g0.k_codes < (1 << g0.k_widths.astype(np.int64))[:, None]).all()
     assert g1.k_codes.max() == 15 and g1.v_codes.max() == 7
     ga = alone.state(0, 1, 0).groups[0]
     assert np.array_equal(g1.k_codes, ga.k_codes) and np.array_equal(g1.v_codes, ga.v_codes)
@@ -134,7 +136,7 @@ def test_native_cache_allocates_and_reports_each_layers_widths(
     log = capfd.readouterr().err
     m = re.search(r"ott2 cache: K/V bits by layer: (.*)", log)
     assert m, log[-3000:]
-    assert m.group(1).split() == ["4/3" if 15 <= il <= 24 else "2/2" for il in range(30)]
+    assert m.group(1).split() == ["4/3" if 15 <= il <= 24 else "2m/2" for il in range(30)]  # 2m: k_mix's widths
     assert llm.kv_cache_info()["config"] == llm.ott_config == OttConfig(layer_widths=TIER)
     mixed = int(llm.kv_cache_info()["bytes"]["quantized"])  # type: ignore[index]
     llm.close()
