@@ -258,7 +258,8 @@ def width_schemes(base: ref.OttConfig | None = None) -> list[Scheme]:
 
 
 def fig1c_schemes(base: ref.OttConfig | None = None) -> list[Scheme]:
-    kivi = replace(base or ref.OttConfig(), outlier_num=0, v_rotate=False)  # the paper's Figure 1(c): plain KIVI
+    # the paper's Figure 1(c): plain KIVI (uniform 2-bit keys: k_mix 1)
+    kivi = replace(base or ref.OttConfig(), outlier_num=0, v_rotate=False, k_mix=1)
     return [
         Scheme(f"keep {k} {rule}", "keep", config=kivi, keep=k, rule=rule)  # type: ignore[arg-type]
         for rule in ("smallest", "largest", "random")
