@@ -14,8 +14,8 @@ from helpers import ROOT, require_tool
 
 # the architectures this test builds for (one: CI has 2 cores); the harness's own build takes sm_75..sm_90
 BENCH_ARCHS = ["90"]
-# the head configs ott-bench.cu includes (its cfgs: ott2, the quality tier) and the ops it times
-BENCH_TAGS = ["k2v2g128x64", "k3mv2sg128x64"]
+# the head configs ott-bench.cu includes (its cfgs: ott2, ott2u, the quality tier) and the ops it times
+BENCH_TAGS = ["k2mv2g128x64", "k2v2g128x64", "k3mv2sg128x64"]
 # (the attention partials: one kernel per channels-per-lane count, attn_part_vec<CPL>, picked by D; the merge and the
 # seal in one launch, attn_merge_seal)
 KERNELS = ["attn_part_vec<2>", "attn_part_vec<4>", "attn_part_vec<8>", "attn_part_vec<16>", "attn_merge", "seal",
@@ -84,8 +84,8 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
 
     # the random state and the checks of a GPU run (finite attention output, the fused launch's the same bits, a
     # sealing event with a competition by the seal and by the fused launch, the same group bytes), through the
-    # kernels' CPU emulation, at depth 4096 (both shapes, both configs)
+    # kernels' CPU emulation, at depth 4096 (both shapes, the three configs)
     res = subprocess.run([str(exe), "--emu", "all", "4096"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     done = "emulated: attention output finite, the fused launch's the same; sealing event with a competition"
-    assert res.stdout.count(done) == 4
+    assert res.stdout.count(done) == 6

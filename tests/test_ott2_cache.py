@@ -469,9 +469,9 @@ def test_kv_cache_info_reports_bytes_by_part_and_pool_slots(smollm2: Path, doc_t
     llm.eval(doc_tokens[:600])
     info = llm.kv_cache_info()
     assert info["positions"] == 600 and info["sealed"] == 512
-    head = kernels().head(2, 2, 128, 64, "scalar")
+    head = kernels().head(2, 2, 128, 64, "scalar", kmix=True)  # ott2's default: 2-bit keys of mixed widths
     n_layer, n_kv_head, D, G, Gv, R = 30, 3, 64, 128, 64, 32  # SmolLM2-135M
-    per_group = D * head.k_block_bytes + G * (D // Gv) * head.v_block_bytes
+    per_group = head.k_group_bytes(D) + G * (D // Gv) * head.v_block_bytes
     # room for the groups that can be sealed: a group is sealed once R newer tokens follow it
     assert info["bytes"]["quantized"] == n_layer * n_kv_head * ((8192 - R) // G) * per_group
     assert info["total_bytes"] == sum(info["bytes"].values()) < 0.2 * 8192 * n_layer * n_kv_head * D * 2 * 2

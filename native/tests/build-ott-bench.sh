@@ -14,14 +14,15 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
-# the head configs ott-bench.cu includes: ott2 (-ctk ott2 -ctv ott2) and the quality tier's (docs/tiers.md)
+# the head configs ott-bench.cu includes: ott2 (-ctk ott2 -ctv ott2: 2-bit keys of mixed widths), ott2u (uniform 2-bit
+# keys, k_mix 1) and the quality tier's (docs/tiers.md)
 G=$OUT/gen
-"$PY" gen/generate.py cuda --out "$G" --cuda-heads 2:128:64,3m/2s:128:64
+"$PY" gen/generate.py cuda --out "$G" --cuda-heads 2m/2:128:64,2:128:64,3m/2s:128:64
 GENCODE=()
 for a in $ARCHS; do GENCODE+=(-gencode "arch=compute_$a,code=sm_$a"); done
 GENCODE+=(-gencode "arch=compute_${ARCHS##* },code=compute_${ARCHS##* }")
 if ! ${NVCC:-nvcc} -O3 -std=c++17 "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
-     "$G/ott2-emu-k2v2g128x64.cpp" "$G/ott2-emu-k3mv2sg128x64.cpp" -o "$OUT/ott-bench" \
+     "$G/ott2-emu-k2mv2g128x64.cpp" "$G/ott2-emu-k2v2g128x64.cpp" "$G/ott2-emu-k3mv2sg128x64.cpp" -o "$OUT/ott-bench" \
      2> "$OUT/ott-bench.ptxas.txt"; then
   grep -v "^ptxas info\|^    [0-9]* bytes stack" "$OUT/ott-bench.ptxas.txt" | tail -40 >&2
   echo "build-ott-bench.sh: nvcc failed" >&2

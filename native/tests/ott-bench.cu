@@ -3,8 +3,9 @@
 // that their `static __global__` kernels can be named (resources, occupancy; the attention partials' kernel of a
 // head dimension through _attn_part_kernel(D)); the launchers are the ones
 // ggml-cuda calls (ggml-cuda-ott.cu), so a launch here is a launch of `-ctk ott2 -ctv ott2`.
-//   ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|quality|all]
+//   ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|ott2u|quality|all]
 // Built by native/tests/build-ott-bench.sh (make cuda-bench); exit status 0, or 1 with the reason on stderr.
+#include "ott2-cuda-k2mv2g128x64.cu"
 #include "ott2-cuda-k2v2g128x64.cu"
 #include "ott2-cuda-k3mv2sg128x64.cu"
 
@@ -44,7 +45,7 @@ typedef void (*ott_bench_kernel_fused)(const ott_cu_args a, const int64_t n_merg
 struct ott_bench_cfg {
     const char * name;
     const char * tag;
-    int32_t kmix, vsym;        // K widths per channel (3 +- 1), symmetric V blocks
+    int32_t kmix, vsym;        // K widths per channel (K bits +- 1), symmetric V blocks
     int32_t KB, VB;            // bytes of a K block at the nominal width, of a V block
     int32_t G, Gv, R, O, aux;  // llama_ott_config: G, R, outlier_num, aux_cap (Gv: the head config's)
     ott_bench_launcher part, merge, seal, fused;     // the launchers ggml-cuda calls (fused: merge and seal)
@@ -67,11 +68,13 @@ struct ott_bench_cfg {
       (const void *) static_cast<ott_bench_kernel>(ott2_cuda_##TAG##_seal),                                        \
       (const void *) static_cast<ott_bench_kernel_fused>(ott2_cuda_##TAG##_attn_merge_seal) }
 
-// llama_ott_config_default (native/src/llama-ott.cpp): G 128, R 32, outlier_num 3, aux_cap 32, v_rotate 1; k_mix
-// only changes 3-bit keys and v_sym is off, so `-ctk ott2 -ctv ott2` runs k2v2g128x64. The quality tier
-// (docs/tiers.md: -ctk ott3 -ctv ott2 --ott-params 128,64,3,32,2,1,1,1): R 64, k_mix and v_sym on.
+// llama_ott_config_default (native/src/llama-ott.cpp): G 128, R 32, outlier_num 3, aux_cap 32, v_rotate 1, k_mix 2
+// (2-bit keys of widths 1/2/3 per channel) and v_sym off, so `-ctk ott2 -ctv ott2` runs k2mv2g128x64; ott2u is
+// ott2 with uniform 2-bit keys (k_mix 1: `--ott-params 128,32,3,32,2,1,1,0`, the default before 2026-11-29). The
+// quality tier (docs/tiers.md: -ctk ott3 -ctv ott2 --ott-params 128,64,3,32,2,1,1,1): R 64, k_mix and v_sym on.
 static const ott_bench_cfg cfgs[] = {
-    OTT_BENCH_CFG("ott2",    k2v2g128x64,   0, 0, 32),
+    OTT_BENCH_CFG("ott2",    k2mv2g128x64,  1, 0, 32),
+    OTT_BENCH_CFG("ott2u",   k2v2g128x64,   0, 0, 32),
     OTT_BENCH_CFG("quality", k3mv2sg128x64, 1, 1, 64),
 };
 
@@ -258,11 +261,12 @@ static void fill_state(const ott_bench_case & c, ott_bench_bufs & b) {
     for (size_t g = 0; g < b.n_sk/c.kgb; ++g) { // every (head, group) of sk
         uint8_t * kg = s.data() + g*c.kgb;
         if (cfg.kmix) {
-            // the width table (2 bits per channel, width - 2): D/4 channels at 4 bits, D/4 at 2, the rest at 3,
-            // shuffled; then the blocks at their offsets take exactly D*KB bytes
-            std::vector<int> w(D, 3);
-            std::fill(w.begin(), w.begin() + D/4, 4);
-            std::fill(w.begin() + D/4, w.begin() + D/2, 2);
+            // the width table (2 bits per channel, width - kb + 1): D/4 channels at kb + 1 bits, D/4 at kb - 1, the
+            // rest at kb, shuffled; then the blocks at their offsets take exactly D*KB bytes (KB: a kb-bit block)
+            const int kb = (cfg.KB - 4)*8/G;
+            std::vector<int> w(D, kb);
+            std::fill(w.begin(), w.begin() + D/4, kb + 1);
+            std::fill(w.begin() + D/4, w.begin() + D/2, kb - 1);
             for (int i = D - 1; i > 0; --i) {
                 std::swap(w[i], w[(int) (rng_u64() % (uint64_t) (i + 1))]);
             }
@@ -270,7 +274,7 @@ static void fill_state(const ott_bench_case & c, ott_bench_bufs & b) {
             memset(tbl, 0, D/4);
             size_t off = 0;
             for (int ch = 0; ch < D; ++ch) {
-                tbl[ch/4] |= (uint8_t) ((w[ch] - 2) << (2*(ch % 4)));
+                tbl[ch/4] |= (uint8_t) ((w[ch] - kb + 1) << (2*(ch % 4)));
                 put_u16(kg + off, f2h_bits(rng_uniform(0.02f, 0.3f)));
                 put_u16(kg + off + 2, f2h_bits(rng_uniform(-0.6f, -0.05f)));
                 off += 4 + (size_t) G*w[ch]/8;
@@ -596,7 +600,7 @@ static void print_case(const ott_bench_case & c) {
 }
 
 static const char * const usage =
-    "usage: ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|quality|all]\n"
+    "usage: ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|ott2u|quality|all]\n"
     "  --plan: the cases' sizes, grids and bytes only; --emu: the cases' state and checks run through the kernels'\n"
     "  CPU emulation (no timing); neither needs a GPU\n";
 
