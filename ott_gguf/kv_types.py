@@ -55,8 +55,9 @@ class OttConfig:
     level 2 (the default, K_MIX_DEFAULT) 2-bit keys mix widths by the same rule one width lower (1/2/3 bits, the
     1-bit channels clipped to quantizer.K_CLIP64[1]; docs/long-context-keys.md); level 1 (True) mixes 3-bit keys
     only, 0 (False) none (K_MIX_WIDTHS); 4-bit keys never. For 0.016 bits per key element it cuts the KL
-    divergence of ott3/ott2 by about a third (docs/tiers.md) and ott2's by more than half, most at long context
-    (docs/long-context-keys.md). k_rotate needs it off.
+    divergence of ott3/ott2 by about a third (docs/tiers.md) and ott2's by about half at 2k tokens (0.42x
+    SmolLM2, 0.54x Gemma 3: docs/tiers-defaults.md) and more at 8k (0.36x SmolLM2, docs/long-context-keys.md).
+    k_rotate needs it off.
 
     v_sym: 2-bit values in symmetric blocks (one fp16 scale, no min, levels centred on zero; quantizer module
     docstring): 0.25 bits per value less at about 5% more value error, since rotated values are centred
