@@ -33,19 +33,27 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return la
 
 
-KLD_ROWS = 128  # rows per block of kl_divergence
+KLD_ROWS = 16  # rows per block of kl_divergence (a block's float32 temporaries stay in the caches)
 
 
 def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), computed in float64 in blocks of rows
-    (a 262k-token vocabulary makes one float64 matrix of a few thousand rows several GB)."""
+    """Per-token KL(p_ref || p) of two logit matrices (n_tokens, n_vocab), in blocks of rows.
+
+    KL = sum_i p_i (a_i - b_i) - lse(a) + lse(b) for logits a (ref) and b, since sum_i p_i = 1: two exponentials per
+    element, in float32, and the sums in float64 (a 262k-token vocabulary: 4x faster than three log-softmaxes in
+    float64; the two agree within 1e-7 per token, tests/test_llama.py)."""
     if ref_logits.shape != logits.shape:
         raise ValueError(f"logit shapes differ: {ref_logits.shape} and {logits.shape}")
     out = np.empty(ref_logits.shape[0], np.float64)
     for i in range(0, ref_logits.shape[0], KLD_ROWS):
-        la = log_softmax(ref_logits[i : i + KLD_ROWS])
-        lb = log_softmax(logits[i : i + KLD_ROWS])
-        out[i : i + KLD_ROWS] = (np.exp(la) * (la - lb)).sum(axis=1)
+        a = np.asarray(ref_logits[i : i + KLD_ROWS], np.float32)
+        b = np.asarray(logits[i : i + KLD_ROWS], np.float32)
+        ma, mb = a.max(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+        ea = np.exp(a - ma)
+        sa = ea.sum(axis=1, dtype=np.float64)
+        sb = np.exp(b - mb).sum(axis=1, dtype=np.float64)
+        pd = np.einsum("ij,ij->i", ea, a - b, dtype=np.float64) / sa
+        out[i : i + KLD_ROWS] = pd - (ma[:, 0] + np.log(sa)) + (mb[:, 0] + np.log(sb))
     return out
 
 

@@ -44,7 +44,7 @@ class Tier:
     layers: str = ""  # layer_widths (--ott-layers) of an ott pair
     # K widths per channel in sealed groups (kv_types.K_MIX_WIDTHS): 2, the default, in groups of 2- and 3-bit keys
     # (docs/long-context-keys.md); 1 in groups of 3-bit keys only (docs/k-channel-widths.md); 0 nowhere
-    k_mix: bool | int = 2
+    k_mix: bool | int = K_MIX_DEFAULT
     v_sym: bool = False  # symmetric 2-bit V blocks (docs/v-blocks.md)
     R: int = 32  # the fp16 recent window
     outliers: int = 3  # outlier_num

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ott_gguf import _lib, build_info, info
@@ -446,3 +447,29 @@ def test_kv_cache_info_gives_bytes_for_stock_types(smollm2: Path, kv_type: str) 
     assert formula is not None and got["total_bytes"] == pytest.approx(1024 * formula, abs=2)
     assert got["bytes"] == {"K and V": got["total_bytes"]}
     llm.close()
+
+
+def test_kl_divergence_equals_the_float64_definition() -> None:
+    """kl_divergence (float32 exponentials, float64 sums) against sum p (log p - log q) from float64 log-softmaxes:
+    logits of a 50k vocabulary near each other, shifted by a constant (KL 0), far apart and with
+    -inf-like masked entries, over a block boundary (KLD_ROWS)."""
+    from ott_gguf.evaluate import KLD_ROWS, kl_divergence, log_softmax
+
+    rng = np.random.default_rng(3)
+    n, v = KLD_ROWS + 5, 50_000
+    a = (rng.standard_normal((n, v)) * 4).astype(np.float32)
+    cases = {
+        "near": a + (rng.standard_normal((n, v)) * 0.2).astype(np.float32),
+        "shifted": a + np.float32(7.5),
+        "far": (rng.standard_normal((n, v)) * 4).astype(np.float32),
+        "masked": np.where(rng.random((n, v)) < 0.3, np.float32(-1e4), a),
+    }
+    for name, b in cases.items():
+        la, lb = log_softmax(a), log_softmax(b)
+        want = (np.exp(la) * (la - lb)).sum(axis=1)
+        got = kl_divergence(a, b)
+        assert got.shape == (n,) and got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.abs(kl_divergence(a, a + np.float32(7.5))).max() < 1e-5
+    with pytest.raises(ValueError, match="logit shapes differ"):
+        kl_divergence(a, a[:-1])
