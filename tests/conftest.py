@@ -10,14 +10,6 @@ from pathlib import Path
 # speed on an idle machine (SmolLM2, 500-token prefill and 60 decoded tokens, 2 threads) and 3.5x faster decode on
 # a busy one (docs/testing.md). Set before the native libraries load; the tools the tests start inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-# Several test processes (make test's pytest-xdist workers) share the cores: llama.cpp in each takes the cores /
-# workers threads (OpenMP's thread limit caps its `num_threads`, and ggml runs the graph on the threads it got), in
-# the tests' own contexts and the tools they start. Measured on 2 cores: two processes each evaluating SmolLM2 over
-# 1024 tokens with three cache types, 74.5 s with 2 threads each, 54 s with 1 (docs/testing.md). The test of the
-# thread count's invariance runs its threads in a process without the limit (test_same_answer.py).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_THREAD_LIMIT", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest  # noqa: E402
 

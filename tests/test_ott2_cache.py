@@ -12,15 +12,6 @@ import pytest
 from ott_gguf import Llama, OttConfig, _lib
 from ott_gguf.corpus import docs_text
 
-from helpers import doc_prefix, eval_logits, kl_divergence, rotate
-from helpers import f16_logits as f16_reference
-
-# Bounds set from measurements on this text (1024 tokens, two 512-token ubatches, 2 threads): mean KLD vs f16
-# was 0.082 for ott2, 0.157 for kivi2 and 0.063 for rotated q4_0. The test allows some slack over ott2's
-# measurement and requires ott2 to stay clearly better than kivi2.
-OTT2_MEAN_KLD_BOUND = 0.11
-OTT2_VS_KIVI2_MAX_RATIO = 0.65
-
 
 @pytest.fixture(scope="module")
 def doc_tokens(smollm2: Path) -> list[int]:
@@ -29,21 +20,6 @@ def doc_tokens(smollm2: Path) -> list[int]:
     llm.close()
     assert len(toks) >= 1024
     return toks[:1024]
-
-
-@pytest.fixture(scope="module")
-def f16_logits(smollm2: Path, doc_tokens: list[int]) -> np.ndarray:
-    assert doc_prefix(smollm2, 1024) == doc_tokens
-    return f16_reference(smollm2, 1024)
-
-
-def test_ott2_mean_kld_vs_f16_is_bounded_and_beats_kivi2(smollm2: Path, doc_tokens: list[int],
-                                                          f16_logits: np.ndarray) -> None:  # fmt: skip
-    ott2 = kl_divergence(f16_logits, eval_logits(smollm2, "ott2", doc_tokens)).mean()
-    kivi2 = kl_divergence(f16_logits, eval_logits(smollm2, "kivi2", doc_tokens)).mean()
-    print(f"mean KLD vs f16: ott2 {ott2:.4f}, kivi2 {kivi2:.4f}")
-    assert ott2 < OTT2_MEAN_KLD_BOUND
-    assert ott2 < OTT2_VS_KIVI2_MAX_RATIO * kivi2
 
 
 def test_ott2_greedy_generation_is_coherent(smollm2: Path) -> None:
@@ -58,41 +34,6 @@ def test_ott2_greedy_generation_is_coherent(smollm2: Path) -> None:
     assert sum(w.lower() in prompt.lower() for w in words) / len(words) > 0.5, out  # it speaks the text's language
     again = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, verbose=False)
     assert again(prompt, max_tokens=80, temperature=0.0, top_k=1)["choices"][0]["text"] == out  # deterministic
-
-
-# Gemma 3 270M (3 full-attention layers with ott2, 15 window layers in f16), 1536 tokens of the docs in 512-token
-# ubatches: mean KLD vs f16 measured 0.029 for ott2 and 0.078 for kivi2 with plain V (q4_0 0.144, q8_0 0.0098,
-# both of which quantize every layer); with rotated V (the default) ott2 0.028 and kivi2 0.047: rotating V helps
-# the kivi baseline more, and outlier tracing still takes 40% off. Scored on the second half only (2026-11-29): ott2
-# 0.0464 plain V, 0.0472 rotated; kivi2 0.1011 and 0.0960.
-GEMMA_OTT2_MEAN_KLD_BOUND = 0.065
-GEMMA_TOKENS = 1536
-
-
-def test_gemma3_ott2_on_the_full_attention_layers(gemma3: Path) -> None:
-    """A sliding-window model: ott2 serves the full-attention layers, an f16 cache the window layers; quality
-    vs f16 is bounded and ott2 stays clearly better than kivi2 (the paper's comparison: plain V; and with the
-    default rotated V). Scored on the second half of 1536 tokens (4 to 10 groups sealed), as llama-perplexity
-    scores a chunk: Gemma 3's 262k-token output layer is most of the cost of a position's logits. The two V
-    layouts take turns (helpers.rotate; `make test-all` runs both)."""
-    toks = doc_prefix(gemma3, GEMMA_TOKENS)
-    f16 = f16_reference(gemma3, GEMMA_TOKENS, GEMMA_TOKENS // 2)
-    kld = {
-        (t, rot): kl_divergence(
-            f16, eval_logits(gemma3, t, toks, first=GEMMA_TOKENS // 2, ott_config={"v_rotate": rot})
-        ).mean()
-        for t in ("ott2", "kivi2")
-        for rot in rotate([True, False])
-    }
-    print(f"gemma3 mean KLD vs f16: {kld}")
-    for rot in {r for _, r in kld}:
-        assert kld["ott2", rot] < GEMMA_OTT2_MEAN_KLD_BOUND
-        assert kld["ott2", rot] < (0.7 if rot else 0.6) * kld["kivi2", rot]
-    llm = Llama(str(gemma3), kv_type="ott2", n_ctx=2048, verbose=False)
-    llm.eval(toks[:600])
-    info = llm.kv_cache_info()
-    assert info["sealed"] == 512  # positions of the full-attention layers' ott2 cache
-    assert info["ott_layers"] == 3 and info["bytes"]["f16 window layers"] > 0  # 15 window layers in f16
 
 
 def metadata_only_gguf(path: Path, arch: str, keys: dict[str, int | float], tokenizer_from: Path) -> Path:

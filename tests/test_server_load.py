@@ -34,7 +34,9 @@ PROMPTS: dict[str, str] = {
     "Repeat exactly: river": r"\briver\b",
     "Repeat exactly: mountain": r"\bmountain\b",
 }
-CLIENTS, REQUESTS = 4, 25
+# each client asks every prompt once per round (12 requests from its own offset): every answer under load is checked
+# against its answer alone, and after two rounds the prompt cache holds every conversation (memory flat)
+CLIENTS, REQUESTS = 4, len(PROMPTS)
 MAX_TOKENS = 16
 
 
