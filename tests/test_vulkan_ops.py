@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from cuda_ops import LayerState, OpsLib, build_emu, generate, head_spec, head_tag
 from native_build import built_lib
-from test_cuda_emu import CASES, HEADS, TAGS, case_id, run_scenario
+from test_cuda_emu import CASES, HEADS, SCHEDULE, TAGS, case_id, run_scenario
 from vk_ops import SCALARS, VkWorker
 
 from ott_gguf import build_info
@@ -29,6 +29,12 @@ from ott_gguf import reference as ref
 from helpers import rotate
 
 pytestmark = pytest.mark.skipif(build_info().get("vulkan") != "ON", reason="built without the Vulkan backend")
+
+# lavapipe's time goes to the attention of the scenario's two longest prefill ubatches (200 and 150 tokens at
+# positions 176-528: 18 of 27 s in a D 64 case, issue 50): the device computes the attention of the others (prefill
+# of 70, 100 and 40 tokens, the last across a seal boundary in 2 slices over 3 sealed groups, and every decode), the
+# emulation alone those two (checked against the reference as every ubatch is); the device seals every ubatch
+VK_ATTN_MAX_TOKENS = 100
 
 GGML_OTT_V_ROTATE, GGML_OTT_K_MIX, GGML_OTT_V_SYM = 1, 2, 4  # ggml-ott.h
 
@@ -105,7 +111,7 @@ class VulkanOps:
             self.seals += 1
             return
         self.emu.run(tag, op, a)
-        if op != "attn" or not self.attn:
+        if op != "attn" or not self.attn or a.n_tok > VK_ATTN_MAX_TOKENS:
             return
         names = ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan")
         inputs = {k: x.copy() for k, x in self._views(a, head, names).items()}
@@ -138,7 +144,7 @@ def test_vulkan_ops_match_reference(emu: OpsLib, vk: VkWorker, case: tuple) -> N
     run_scenario(lib, case)  # type: ignore[arg-type]
     print(f"{vk.device}: {lib.runs} ubatches, {lib.seals} seals bit for bit, "
           f"max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")  # fmt: skip
-    assert lib.runs > 10 and lib.seals == lib.runs
+    assert lib.seals == len(SCHEDULE) and lib.runs == sum(n <= VK_ATTN_MAX_TOKENS for n in SCHEDULE) > 10
     # the same fp32 operations in the same order; only exp differs (Vulkan allows a few ulps)
     assert lib.max_rel <= 1e-5
 
