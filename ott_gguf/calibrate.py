@@ -18,6 +18,7 @@ bytes that `ott-gguf eval` and the studies measure on.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import tempfile
@@ -73,7 +74,7 @@ def parse_widths(text: str) -> Widths:
 class Block:
     layers: tuple[int, ...]
     up_gain: float  # KLD(base) - KLD(this block widened)
-    down_loss: float  # KLD(this block narrowed) - KLD(base)
+    down_loss: float  # KLD(this block narrowed) - KLD(base); inf when nothing is narrowed (widen only)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ class Calibration:
                  "| layers | gain widened | loss narrowed | chosen |", "|---|---|---|---|"]  # fmt: skip
         for b, c in zip(self.blocks, self.plan.choice, strict=True):
             span = f"{b.layers[0]}-{b.layers[-1]}" if len(b.layers) > 1 else str(b.layers[0])
-            lines.append(f"| {span} | {b.up_gain:+.4f} | {b.down_loss:+.4f} | {c} |")
+            loss = "-" if math.isinf(b.down_loss) else f"{b.down_loss:+.4f}"
+            lines.append(f"| {span} | {b.up_gain:+.4f} | {loss} | {c} |")
         room = "no more bytes" if self.budget == 1.0 else f"at most {self.budget:g}x the base pair's code bits"
         if self.max_bits is not None:
             room = f"at most {self.max_bits:g} bits per element at {BITS_CTX} tokens"
@@ -264,15 +266,16 @@ def fit_seconds(sizes: Sequence[int], seconds: Sequence[float]) -> Callable[[int
     return lambda n: full[0] + full[1] * n + full[2] * n * n
 
 
-def planned_runs(n_blocks: int) -> int:
-    """llama-perplexity runs of a calibration: f16 logits, the base pair, each block up and down, the chosen widths."""
-    return 3 + 2 * n_blocks
+def planned_runs(n_blocks: int, narrow: bool = True) -> int:
+    """llama-perplexity runs of a calibration: f16 logits, the base pair, each block up (and down, unless it widens
+    only), the chosen widths."""
+    return 3 + (2 if narrow else 1) * n_blocks
 
 
 def estimate_seconds(f16: Callable[[int], float], ott: Callable[[int], float], n_ctx: int, chunks: int,
-                     n_blocks: int) -> float:  # fmt: skip
+                     n_blocks: int, narrow: bool = True) -> float:  # fmt: skip
     """The calibration's time at n_ctx: one f16 run and the ott runs, each of `chunks` chunks."""
-    return chunks * (f16(n_ctx) + (planned_runs(n_blocks) - 1) * ott(n_ctx))
+    return chunks * (f16(n_ctx) + (planned_runs(n_blocks, narrow) - 1) * ott(n_ctx))
 
 
 def choose_context(estimate: Callable[[int], float], n_ctx_train: int | None, max_seconds: float) -> tuple[int, str]:
@@ -310,8 +313,11 @@ def calibrate(
     if k not in OTT_KV_TYPES:
         raise ValueError(f"calibration is for the ott cache types ({', '.join(OTT_KV_TYPES)}), not {kv_type!r}")
     base, w_up, w_down = (kv_type_bits(k), kv_type_bits(v)), parse_widths(up), parse_widths(down)
-    if not (sum(w_down) < sum(base) < sum(w_up)):
-        raise ValueError(f"up ({up}) must hold more code bits than the base pair and down ({down}) fewer")
+    # down equal to the base pair: widen only (ott2 has no narrower widths; its bytes come from a bit budget)
+    narrow = w_down != base
+    if not (sum(base) < sum(w_up) and (not narrow or sum(w_down) < sum(base))):
+        raise ValueError(f"up ({up}) must hold more code bits than the base pair and down ({down}) fewer (or down "
+                         f"the base pair's own widths: widen only)")  # fmt: skip
     if n_blocks < 1:
         raise ValueError(f"blocks must be at least 1, got {n_blocks}")
     if n_ctx is not None and n_ctx < 64:
@@ -342,7 +348,7 @@ def calibrate(
     groups = [tuple(layers[bounds[i] : bounds[i + 1]]) for i in range(n_blocks)]
     commands: list[str] = []
     # llama-perplexity runs: f16 logits, the base pair, each block up and down, the chosen widths
-    planned = planned_runs(len(groups))
+    planned = planned_runs(len(groups), narrow)
     start = time.monotonic()
     info = model_info(model)
     if n_ctx is not None and info.n_ctx_train is not None and n_ctx > info.n_ctx_train:
@@ -350,7 +356,7 @@ def calibrate(
     # a context told: one chunk of each kind at that context times the runs exactly (two short runs instead of
     # six); otherwise the probe sizes, extrapolated to the candidate contexts
     f16_t, ott_t = _probe(model, k, v, params, threads, PROBE_SIZES if n_ctx is None else (n_ctx,))
-    estimate = lambda n: estimate_seconds(f16_t, ott_t, n, chunks, len(groups))  # noqa: E731
+    estimate = lambda n: estimate_seconds(f16_t, ott_t, n, chunks, len(groups), narrow)  # noqa: E731
     how = f"{'/'.join(map(str, PROBE_SIZES))} tokens, extrapolated" if n_ctx is None else f"{n_ctx} tokens"
     if n_ctx is None:
         n_ctx, why = choose_context(estimate, info.n_ctx_train, 60.0 * max_minutes)
@@ -406,7 +412,7 @@ def calibrate(
         for g in groups:
             span = f"layers {g[0]}-{g[-1]}"
             gain = base_kld - kld(dict.fromkeys(g, w_up), f"{span} at {up}")
-            loss = kld(dict.fromkeys(g, w_down), f"{span} at {down}") - base_kld
+            loss = kld(dict.fromkeys(g, w_down), f"{span} at {down}") - base_kld if narrow else math.inf
             blocks.append(Block(g, gain, loss))
         if max_bits is None:
             plan = best_plan(blocks, base_kld, base, w_up, w_down, budget)

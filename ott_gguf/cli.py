@@ -293,7 +293,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import shlex
 
     from .calibrate import calibrate
-    from .tiers import QUALITY_PARAMS, model_sha256, user_calibration_dir, write_calibration
+    from .tiers import QUALITY_PARAMS, calibration_target, model_sha256, write_calibration
 
     kv_type = _kv_types(args)
     if args.ott_layers:
@@ -313,7 +313,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sha = model_sha256(path)
     command = shlex.join(["ott-gguf", *args.argv])
     record = cal.record(sha, command)
-    target = out or user_calibration_dir() / f"{sha}.json"
+    target = out or calibration_target(record)
     write_calibration(target, record)
     print(f"calibration written to {target} (sha256 {sha[:12]}... of {path.name})")
     if cal.spec:
@@ -594,7 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("model", help="GGUF path or a known model name")
     _add_kv_type_args(k, "ott3/ott2", tier=False)
     k.add_argument("--up", default="3/3", help="K/V bits of a widened block (default 3/3)")
-    k.add_argument("--down", default="2/2", help="K/V bits of a narrowed block (default 2/2)")
+    k.add_argument(
+        "--down",
+        default="2/2",
+        help="K/V bits of a narrowed block (default 2/2; the base pair's own "
+        "widths widen only, as for ott2: --kv-type ott2 --up 3/2 --max-bits 2.8)",
+    )
     k.add_argument("--blocks", type=int, default=10, help="contiguous blocks of layers (default 10)")
     k.add_argument("--budget", type=float, default=1.0,
                    help="code bits allowed, as a fraction of the base pair's (default 1: a cache no larger; "

@@ -29,6 +29,7 @@ __all__ = [
     "KV_TIERS",
     "QUALITY_PARAMS",
     "Tier",
+    "calibration_target",
     "find_calibration",
     "model_sha256",
     "read_calibration",
@@ -138,6 +139,16 @@ def write_calibration(path: str | Path, data: dict[str, Any]) -> Path:
     tmp.replace(p)
     read_calibration(p)  # what is written is what the tools read back
     return p
+
+
+def calibration_target(record: dict[str, Any]) -> Path:
+    """Where `ott-gguf calibrate` writes a calibration without --out: the quality tier's recipe where --kv-tier
+    quality reads it (<cache>/calibrations/<sha256>.json); any other pair or parameters (a calibrated ott2) beside
+    it under its own name, never over the tier's calibration."""
+    sha = str(record["model_sha256"])
+    if record["kv_type"] == QUALITY_KV_TYPE and record["ott_params"] == QUALITY_PARAMS:
+        return user_calibration_dir() / f"{sha}.json"
+    return user_calibration_dir() / f"{sha}.{str(record['kv_type']).replace('/', '-')}.{record['ott_params']}.json"
 
 
 def find_calibration(model: str | Path) -> tuple[CalibrationFile | None, list[str]]:

@@ -117,8 +117,11 @@ def measure(
                       "--poll", "0", "-fa", "on"]  # fmt: skip
             cmd = [*common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)]
             if not base.exists():
+                base.parent.mkdir(parents=True, exist_ok=True)
                 t0 = time.time()
                 subprocess.run(cmd, capture_output=True, text=True, check=True)
+                if not base.exists():  # llama-perplexity exits 0 when it cannot write the base
+                    raise RuntimeError(f"llama-perplexity wrote no f16 base {base}: {' '.join(cmd)}")
                 print(f"{run.key} f16 base: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
             for name, tier in todo:
                 cmd = [*common, *tier.args(), "--kl-divergence-base", str(base), "--kl-divergence"]

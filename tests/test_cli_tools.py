@@ -158,12 +158,12 @@ def test_eval_against_f16(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureF
 
 def test_bench_speeds_per_type_and_depth(smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "bench.png"
-    kv_types = ["f16", "kivi2", "ott2"]
+    kv_types = ["f16", "ott2"]  # two types show the interleaving (a third cost a third more, issue 50)
     code, out, err = run_cli(capsys, "bench", smollm2, "-p", 64, "-n", 8, "--depths", "0,256", "-r", 2,
                              "--threads", THREADS, "--kv-types", ",".join(kv_types), "--plot", png)  # fmt: skip
     assert code == 0, err
     assert "median of 2 round(s) with the types interleaved" in out
-    # the rounds interleave the types: f16, kivi2, ott2, f16, kivi2, ott2
+    # the rounds interleave the types: f16, ott2, f16, ott2
     assert re.findall(r"round (\d)/2, (\w+):", err) == [(r, t) for r in "12" for t in kv_types], err
     rows = table(out)
     assert list(rows) == kv_types

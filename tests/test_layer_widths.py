@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -23,6 +24,7 @@ from ott_gguf.calibrate import (
     estimate_seconds,
     fit_seconds,
     plan_within_bits,
+    planned_runs,
 )
 from ott_gguf.kv_types import parse_layer_widths
 from ott_gguf.reference import OttCache, effective_bits
@@ -268,6 +270,17 @@ def test_best_plan_with_a_limit_in_code_bits() -> None:
     assert best_plan(blocks, 0.05, (3, 2), (3, 3), (2, 2), limit=30 - 2).choice == ("down", "base", "base")
 
 
+def test_best_plan_widens_only_when_down_is_the_base_pair() -> None:
+    """ott2 (2/2) has no narrower widths: calibrate takes down = the base pair as "widen only" (no narrowing runs,
+    losses unknown); the plan widens the blocks that gain most within the limit and never picks "down"."""
+    blocks = [Block((0, 1, 2), 0.002, math.inf), Block((3, 4, 5), 0.030, math.inf), Block((6, 7, 8), 0.010, math.inf)]
+    assert best_plan(blocks, 0.12, (2, 2), (3, 2), (2, 2), limit=36 + 3).choice == ("base", "up", "base")
+    plan = best_plan(blocks, 0.12, (2, 2), (3, 2), (2, 2), limit=36 + 6)
+    assert plan.choice == ("base", "up", "up") and plan.predicted_kld == pytest.approx(0.12 - 0.04)
+    assert best_plan(blocks, 0.12, (2, 2), (3, 2), (2, 2)).choice == ("base",) * 3  # the base pair's bytes
+    assert planned_runs(10, narrow=False) == 13 and planned_runs(10) == 23
+
+
 def test_plan_within_bits_fits_the_caches_own_bytes(smollm2: Path) -> None:
     """SmolLM2 ott3/ott2 takes 3.221 bits per element at 8k: with max_bits 3.2 the plan's cache (measured, not
     predicted) fits, and spends more than the code bits of budget 0.98; a limit below every narrowing is refused."""
@@ -325,6 +338,8 @@ def test_calibrate_refuses_what_it_cannot_do(smollm2: Path) -> None:
         calibrate(smollm2, kv_type="q8_0")
     with pytest.raises(ValueError, match="up .* must hold more code bits"):
         calibrate(smollm2, kv_type="ott3/ott2", up="3/2")
+    with pytest.raises(ValueError, match="down .* fewer .*widen only"):
+        calibrate(smollm2, kv_type="ott2", up="3/2", down="3/2")  # ott2 widens only: down must be 2/2 itself
     with pytest.raises(ValueError, match="widths must be K/V bits"):
         calibrate(smollm2, kv_type="ott3/ott2", up="5/3")
     with pytest.raises(ValueError, match="chooses layer_widths itself"):

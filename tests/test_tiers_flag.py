@@ -143,6 +143,28 @@ def test_calibrate_writes_a_file_the_tier_reads(smollm2: Path, tmp_path: Path, u
     assert t.ott_config.layer_widths == cal.layer_widths
 
 
+def test_calibrating_ott2_widens_only_and_keeps_the_tiers_file(smollm2: Path, user_cache: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """ott2 has no narrower widths: down = the base pair (the default 2/2) calibrates by widening only (one run per
+    block, no narrowing runs). Without --out the file goes beside the quality tier's, under its pair and
+    parameters, so the tier's own calibration is never overwritten: --kv-tier quality still reads the shipped one."""
+    code, stdout, err = run_cli(capsys, "calibrate", smollm2, "--kv-type", "ott2", "--up", "3/2", "--blocks", 1,
+                                "--chunks", 1, "--n-ctx", 256, "--budget", 1.3, "--threads", THREADS)  # fmt: skip
+    assert code == 0, err
+    assert re.search(r"\[3/4, .* left\] layers 0-29 at 3/2: mean KLD", err), err
+    assert "at 2/2" not in err
+    assert re.search(r"\| 0-29 \| [+-]\d\.\d{4} \| - \| (up|base) \|", stdout), stdout
+    sha = MODELS["smollm2-135m"].sha256
+    target = user_cache / "calibrations" / f"{sha}.ott2.128,32,3,32,2,1,2,0.json"
+    assert f"calibration written to {target}" in stdout
+    cal = tiers.read_calibration(target)
+    assert (cal.kv_type, cal.ott_params, cal.data["calibration"]["down"]) == ("ott2", "128,32,3,32,2,1,2,0", "2/2")
+    assert cal.layer_widths in ("", "0-29:3/2")
+    assert not (user_cache / "calibrations" / f"{sha}.json").exists()
+    t = tiers.resolve_tier("quality", smollm2)
+    assert t.ott_config is not None and t.ott_config.layer_widths == SHIPPED["smollm2-135m"]
+
+
 def test_serve_passes_the_tier_to_llama_server(smollm2: Path, user_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     import os
