@@ -50,7 +50,7 @@ OTT_BUILD_DIR ?= $(OTT_CACHE_DIR)/build/$(shell printf %s "$(CURDIR)" | sha256su
 install: apt-build $(BIN)/python
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) install -q "$(LCP)"
 	$(PIP) install -q "scikit-build-core>=0.10" "jinja2>=3.1"
-	@echo "building the patched llama.cpp (about 5 minutes on 2 cores the first time)"
+	@echo "building the patched llama.cpp (the first time 6-20 minutes on 2 cores; then incremental)"
 	@echo "build directory: $(OTT_BUILD_DIR)"
 	$(PIP) install -q --no-build-isolation -Cbuild-dir="$(OTT_BUILD_DIR)/{wheel_tag}" $(PIP_INSTALL_ARGS) .
 

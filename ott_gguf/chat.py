@@ -13,6 +13,7 @@ import os
 import select
 import sys
 from collections.abc import Iterator, Sequence
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -49,12 +50,18 @@ def kv_bytes(llm: Llama, model: ModelInfo, kv_type: str | None = None) -> float 
     return None if per_token is None else per_token * llm.n_ctx()
 
 
+def _fixed(x: float, places: int) -> str:
+    """x with `places` decimals, an exact tie rounded up as JavaScript's toFixed and Math.round do (the web page's
+    formatBytes shows the same bytes; Python's own format rounds a tie such as 253.125 to even)."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP))
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            return f"{_fixed(n, 0)} {unit}" if unit == "B" else f"{_fixed(n, 2)} {unit}"
         n /= 1024
-    return f"{n:.2f} GiB"
+    return f"{_fixed(n, 2)} GiB"
 
 
 def cached_positions(llm: Llama) -> int:

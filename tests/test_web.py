@@ -149,6 +149,15 @@ def cache_line(facts: dict[str, Any], used: int, n_ctx: int, stale: bool = False
     return line + f" · for {n_ctx}: {all_types(n_ctx)}"
 
 
+def test_byte_counts_round_a_tie_as_the_page_does() -> None:
+    """app.js's formatBytes (toFixed, Math.round) rounds an exact tie up; format_bytes, which the terminal chat shows
+    and the page test compares with, does too (40 tokens of SmolLM2's q4_0 cache are 253.125 KiB: the page said
+    253.13, Python's format 253.12)."""
+    assert format_bytes(253.125 * 1024) == "253.13 KiB" and format_bytes(1.005 * 1024) == "1.00 KiB"  # 1.005: below
+    assert format_bytes(2.5) == "3 B" and format_bytes(900 * 1024) == "900.00 KiB"
+    assert format_bytes(5.57 * 1024**2) == "5.57 MiB" and format_bytes(3 * 1024**3) == "3.00 GiB"
+
+
 def test_chat_page_streams_an_answer_in_chromium(smollm2: Path, tmp_path: Path) -> None:
     """`ott-gguf serve` answers / with the page; Chromium sends a message, the answer streams in (several SSE
     deltas), Stop ends a long answer, the cache line counts the context and the bytes, New chat clears it; a
