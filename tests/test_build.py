@@ -274,3 +274,32 @@ def test_every_library_and_tool_resolves_its_symbols() -> None:
         if lines := [ln.strip() for ln in (res.stdout + res.stderr).splitlines() if "undefined symbol" in ln]:
             missing[f.name] = lines[:3]
     assert not missing, missing
+
+
+# llama.cpp's front ends at OTT_GGUF_FRONTEND_OPT (CMakeLists.txt), everything that computes at -O3
+FRONT_ENDS = {"llama-common", "mtmd", "cpp-httplib", "server-context", "llama-server-impl", "llama-cli-impl",
+              "llama-bench-impl"}  # fmt: skip
+COMPUTE = {"ggml-base", "ggml-cpu", "ggml-vulkan", "ggml-cuda", "ggml-rpc", "llama", "llama-perplexity-impl"}
+
+
+def test_only_the_front_ends_are_built_below_O3() -> None:
+    info = build_info()
+    ninja = Path(info["build_dir"]) / "build.ninja"
+    if not ninja.is_file():
+        pytest.skip(f"the build directory of this install is gone ({ninja})")
+    opt: dict[str, set[str]] = {}  # target -> the effective -O of its objects (the last one on the line)
+    target = None
+    for line in ninja.read_text().splitlines():
+        m = re.match(r"build \S*CMakeFiles/([^/]+)\.dir/\S+\.o: (C|CXX|CUDA)_COMPILER", line)
+        if m:
+            target = m.group(1)
+        elif target and line.startswith("  FLAGS = "):
+            levels = re.findall(r"(?<!\S)-O[0-3sg]?(?!\S)", line)
+            opt.setdefault(target, set()).add(levels[-1] if levels else "none")
+            target = None
+    assert FRONT_ENDS <= opt.keys() and {"ggml-base", "ggml-cpu", "llama", "llama-perplexity-impl"} <= opt.keys()
+    for t, levels in opt.items():
+        if t in COMPUTE:
+            assert levels == {"-O3"}, f"{t} computes: built at {levels}"
+        elif t in FRONT_ENDS:
+            assert levels == {info["frontend_opt"]}, f"{t}: {levels}, OTT_GGUF_FRONTEND_OPT {info['frontend_opt']}"
