@@ -276,30 +276,38 @@ def test_every_library_and_tool_resolves_its_symbols() -> None:
     assert not missing, missing
 
 
-# llama.cpp's front ends at OTT_GGUF_FRONTEND_OPT (CMakeLists.txt), everything that computes at -O3
-FRONT_ENDS = {"llama-common", "mtmd", "cpp-httplib", "server-context", "llama-server-impl", "llama-cli-impl",
-              "llama-bench-impl"}  # fmt: skip
-COMPUTE = {"ggml-base", "ggml-cpu", "ggml-vulkan", "ggml-cuda", "ggml-rpc", "llama", "llama-perplexity-impl"}
+# what llama.cpp runs once per process or request, at OTT_GGUF_FRONTEND_OPT (CMakeLists.txt); all else at -O3
+FRONT_END_TARGETS = {"mtmd", "cpp-httplib", "llama-bench-impl"}
+FRONT_END_COMMON = {"arg.cpp", "download.cpp", "preset.cpp", "hf-cache.cpp", "fit.cpp", "json-schema-to-grammar.cpp",
+                    "debug.cpp", "imatrix-loader.cpp"}  # fmt: skip
+PER_TOKEN = {"ggml-base", "ggml-cpu", "ggml-vulkan", "ggml-cuda", "ggml-rpc", "llama", "llama-perplexity-impl",
+             "server-context", "llama-server-impl", "llama-cli-impl"}  # fmt: skip
 
 
-def test_only_the_front_ends_are_built_below_O3() -> None:
+def test_only_what_runs_once_is_built_below_O3() -> None:
     info = build_info()
     ninja = Path(info["build_dir"]) / "build.ninja"
     if not ninja.is_file():
         pytest.skip(f"the build directory of this install is gone ({ninja})")
-    opt: dict[str, set[str]] = {}  # target -> the effective -O of its objects (the last one on the line)
-    target = None
+    opt: dict[tuple[str, str], str] = {}  # (target, source file) -> the effective -O (the last one on its line)
+    obj = None
     for line in ninja.read_text().splitlines():
-        m = re.match(r"build \S*CMakeFiles/([^/]+)\.dir/\S+\.o: (C|CXX|CUDA)_COMPILER", line)
+        m = re.match(r"build \S*CMakeFiles/([^/]+)\.dir/(\S+)\.o: (C|CXX|CUDA)_COMPILER", line)
         if m:
-            target = m.group(1)
-        elif target and line.startswith("  FLAGS = "):
+            obj = (m.group(1), m.group(2))
+        elif obj and line.startswith("  FLAGS = "):
             levels = re.findall(r"(?<!\S)-O[0-3sg]?(?!\S)", line)
-            opt.setdefault(target, set()).add(levels[-1] if levels else "none")
-            target = None
-    assert FRONT_ENDS <= opt.keys() and {"ggml-base", "ggml-cpu", "llama", "llama-perplexity-impl"} <= opt.keys()
-    for t, levels in opt.items():
-        if t in COMPUTE:
-            assert levels == {"-O3"}, f"{t} computes: built at {levels}"
-        elif t in FRONT_ENDS:
-            assert levels == {info["frontend_opt"]}, f"{t}: {levels}, OTT_GGUF_FRONTEND_OPT {info['frontend_opt']}"
+            opt[obj] = levels[-1] if levels else "none"
+            obj = None
+    low = info["frontend_opt"]
+    targets = {t for t, _ in opt}
+    assert FRONT_END_TARGETS | {"llama-common", "ggml-base", "ggml-cpu", "llama", "server-context"} <= targets
+    for (t, src), level in opt.items():
+        once = t in FRONT_END_TARGETS or (t == "llama-common" and src in FRONT_END_COMMON)
+        if once:
+            assert level == low, f"{t} {src}: {level}, OTT_GGUF_FRONTEND_OPT {low}"
+        elif t in PER_TOKEN or t == "llama-common":
+            assert level == "-O3", f"{t} {src} runs per token: built at {level}"
+    if low != "-O3":
+        assert {src for t, src in opt if t == "llama-common" and opt[t, src] == low} == FRONT_END_COMMON
+    assert opt["llama-common", "sampling.cpp"] == "-O3" and opt["llama-common", "chat.cpp"] == "-O3"
