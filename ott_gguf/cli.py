@@ -64,9 +64,10 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str, tier: bool = Tru
     if tier:
         p.add_argument("--kv-tier", choices=KV_TIERS,
                        help="a named K/V cache tier instead of the options below (docs/kv-tiers.md): compact = ott2 "
-                       "(~2.7 bits per element), quality = ott3/ott2 with --ott-params 128,64,3,32,2,1,1,1 and the "
-                       "model's calibrated --ott-layers when a calibration is found (~3.2 bits) (default: none, "
-                       "--kv-type's)")  # fmt: skip
+                       "with symmetric value blocks (~2.6 bits per element) and the model's calibrated 3-bit key "
+                       "layers when an ott2 calibration is found (<= 2.8 bits), quality = ott3/ott2 with "
+                       "--ott-params 128,64,3,32,2,1,1,1 and the model's calibrated --ott-layers when a calibration "
+                       "is found (~3.2 bits) (default: none, --kv-type's)")  # fmt: skip
     p.add_argument("--kv-type", default=None,
                    help=f"K/V cache type of both sides: {', '.join(KV_TYPES)}, or K/V such as ott3/ott2 "
                    f"(default {default})")  # fmt: skip

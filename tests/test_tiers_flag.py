@@ -15,6 +15,8 @@ from helpers import THREADS, run_cli
 
 # the widths of the calibrations shipped in the package (docs/tiers.md, the quality tier)
 SHIPPED = {"smollm2-135m": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2", "gemma3-270m": "11:3/3,17:2/2"}
+# and the compact tier's (ott2 with symmetric values, keys widened where they count at 8k, docs/long-context.md)
+COMPACT = {"smollm2-135m": "8-9:3/2,16-23:3/2"}
 
 
 @pytest.fixture
@@ -27,11 +29,20 @@ def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_shipped_calibrations_are_installed_and_valid() -> None:
-    for name, widths in SHIPPED.items():
-        cal = tiers.read_calibration(tiers.PACKAGE_CALIBRATIONS / f"{MODELS[name].sha256}.json")
-        assert cal.data["model_sha256"] == MODELS[name].sha256 and cal.data["model_file"] == MODELS[name].filename
-        assert (cal.kv_type, cal.ott_params, cal.layer_widths) == (tiers.QUALITY_KV_TYPE, tiers.QUALITY_PARAMS, widths)
-        assert cal.data["calibration"]["command"].startswith("ott-gguf calibrate ")
+    for tier, shipped in (("quality", SHIPPED), ("compact", COMPACT)):
+        kv_type, params = tiers.TIER_PAIRS[tier]
+        for name, widths in shipped.items():
+            sha = MODELS[name].sha256
+            cal = tiers.read_calibration(tiers.PACKAGE_CALIBRATIONS / tiers.calibration_name(sha, kv_type, params))
+            assert cal.data["model_sha256"] == sha and cal.data["model_file"] == MODELS[name].filename
+            assert (cal.kv_type, cal.ott_params, cal.layer_widths) == (kv_type, params, widths)
+            assert cal.data["calibration"]["command"].startswith("ott-gguf calibrate ")
+    # ott2's defaults with symmetric V blocks: a change of them orphans these files
+    assert tiers.COMPACT_PARAMS == "128,32,3,32,2,1,2,1"
+    for name in COMPACT:  # the tier's bound: at most 2.8 bits per element at 8k, by the cache's own bytes
+        cal = tiers.read_calibration(tiers.PACKAGE_CALIBRATIONS / tiers.calibration_name(
+            MODELS[name].sha256, *tiers.TIER_PAIRS["compact"]))  # fmt: skip
+        assert cal.data["bits_per_element"]["n_ctx"] == 8192 and cal.data["bits_per_element"]["calibrated"] <= 2.8
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
@@ -59,7 +70,9 @@ def test_llama_kv_tier_runs_the_tiers_configuration(smollm2: Path, user_cache: P
     assert q.kv_cache_info()["kv_tier"] == "quality" and "calibrated (shipped with ott-gguf" in q.kv_tier_line
     q.close()
     c = Llama(str(smollm2), kv_tier="compact", n_ctx=256, n_threads=1, verbose=False)
-    assert c.kv_type == "ott2" and c.ott_config is not None and c.ott_config.R == 32 and not c.ott_config.layer_widths
+    cfg = c.ott_config
+    assert c.kv_type == "ott2" and cfg is not None and cfg.R == 32 and cfg.k_mix == 2 and cfg.v_sym and cfg.v_rotate
+    assert cfg.layer_widths == COMPACT["smollm2-135m"] and "calibrated (shipped with ott-gguf" in c.kv_tier_line
     c.close()
 
 
@@ -101,6 +114,17 @@ def test_lookup_order_next_to_the_model_then_cache_then_package(smollm2: Path, t
     t = tiers.resolve_tier("quality", model)
     assert t.ott_config is not None and t.ott_config.layer_widths == "0-29:2/2"
     assert "was made for another file" in t.line and "\n" not in t.line
+    # each tier reads the calibrations of its own pair: a next-to-the-model file of the quality tier's is passed
+    # over by compact (said), which reads its own from the user cache, then the package
+    tiers.write_calibration(side, record("0-4:3/3"))
+    c = tiers.resolve_tier("compact", model)
+    assert c.ott_config is not None and c.ott_config.layer_widths == COMPACT["smollm2-135m"] and "shipped" in c.line
+    assert f"{side} calibrates ott3/ott2 --ott-params {tiers.QUALITY_PARAMS}, not ott2 --ott-params" in c.line
+    ott2 = {**record("10:3/2"), "kv_type": "ott2", "ott_params": tiers.COMPACT_PARAMS}
+    tiers.write_calibration(tiers.calibration_target(ott2), ott2)
+    c = tiers.resolve_tier("compact", model)
+    assert c.ott_config is not None and c.ott_config.layer_widths == "10:3/2" and "from the user cache" in c.line
+    assert tiers.resolve_tier("quality", model).ott_config.layer_widths == "0-4:3/3"  # type: ignore[union-attr]
     side.write_text('{"layer_widths": "0:3/3"}')
     with pytest.raises(ValueError, match="not an ott-gguf-calibration file"):
         tiers.resolve_tier("quality", model)
@@ -112,7 +136,14 @@ def test_uncalibrated_model_gets_the_recipe_and_says_so(smollm2: Path, tmp_path:
     t = tiers.resolve_tier("quality", model)
     assert t.kv_type == "ott3/ott2" and t.ott_config is not None and t.ott_config.layer_widths == ""
     assert t.ott_config.R == 64 and t.ott_config.v_sym
-    assert re.search(r"uncalibrated \(no calibration of copy.gguf found; `ott-gguf calibrate .*` makes one\)", t.line)
+    assert re.search(r"uncalibrated \(no ott3/ott2 calibration of copy.gguf found; `ott-gguf calibrate \S+` makes "
+                     r"one\)", t.line)  # fmt: skip
+    c = tiers.resolve_tier("compact", model)
+    assert c.kv_type == "ott2" and c.calibration is None and c.ott_config is not None
+    assert c.ott_config.v_sym and c.ott_config.layer_widths == "" and c.ott_config.R == 32  # uniform 2-bit keys
+    assert re.search(r"compact: ott2 --ott-params 128,32,3,32,2,1,2,1, uncalibrated \(no ott2 calibration of "
+                     r"copy.gguf found; `ott-gguf calibrate \S+ --kv-type ott2 --ott-params 128,32,3,32,2,1,2,1 --up "
+                     r"3/2 --max-bits 2.8 --blocks 15` makes one\)", c.line)  # fmt: skip
 
 
 def test_calibrate_writes_a_file_the_tier_reads(smollm2: Path, tmp_path: Path, user_cache: Path,
@@ -147,22 +178,28 @@ def test_calibrating_ott2_widens_only_and_keeps_the_tiers_file(smollm2: Path, us
                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """ott2 has no narrower widths: down = the base pair (the default 2/2) calibrates by widening only (one run per
     block, no narrowing runs). Without --out the file goes beside the quality tier's, under its pair and
-    parameters, so the tier's own calibration is never overwritten: --kv-tier quality still reads the shipped one."""
-    code, stdout, err = run_cli(capsys, "calibrate", smollm2, "--kv-type", "ott2", "--up", "3/2", "--blocks", 1,
-                                "--chunks", 1, "--n-ctx", 256, "--budget", 1.3, "--threads", THREADS)  # fmt: skip
+    parameters, so the quality tier's calibration is never overwritten; made with the compact tier's parameters,
+    it is the compact tier's (found in the user cache before the shipped one)."""
+    code, stdout, err = run_cli(capsys, "calibrate", smollm2, "--kv-type", "ott2", "--ott-params",
+                                tiers.COMPACT_PARAMS, "--up", "3/2", "--blocks", 1, "--chunks", 1, "--n-ctx", 256,
+                                "--budget", 1.3, "--threads", THREADS)  # fmt: skip
     assert code == 0, err
     assert re.search(r"\[3/4, .* left\] layers 0-29 at 3/2: mean KLD", err), err
     assert "at 2/2" not in err
     assert re.search(r"\| 0-29 \| [+-]\d\.\d{4} \| - \| (up|base) \|", stdout), stdout
     sha = MODELS["smollm2-135m"].sha256
-    target = user_cache / "calibrations" / f"{sha}.ott2.128,32,3,32,2,1,2,0.json"
+    target = user_cache / "calibrations" / f"{sha}.ott2.{tiers.COMPACT_PARAMS}.json"
     assert f"calibration written to {target}" in stdout
     cal = tiers.read_calibration(target)
-    assert (cal.kv_type, cal.ott_params, cal.data["calibration"]["down"]) == ("ott2", "128,32,3,32,2,1,2,0", "2/2")
+    assert (cal.kv_type, cal.ott_params, cal.data["calibration"]["down"]) == ("ott2", tiers.COMPACT_PARAMS, "2/2")
     assert cal.layer_widths in ("", "0-29:3/2")
     assert not (user_cache / "calibrations" / f"{sha}.json").exists()
     t = tiers.resolve_tier("quality", smollm2)
     assert t.ott_config is not None and t.ott_config.layer_widths == SHIPPED["smollm2-135m"]
+    c = tiers.resolve_tier("compact", smollm2)
+    assert c.calibration == target and "from the user cache" in c.line and c.ott_config is not None
+    assert c.ott_config.layer_widths == cal.layer_widths
+    assert c.ott_config.native() == tiers.tier_config(tiers.COMPACT_PARAMS).native()
 
 
 def test_serve_passes_the_tier_to_llama_server(smollm2: Path, user_cache: Path, monkeypatch: pytest.MonkeyPatch,
