@@ -1,6 +1,6 @@
 """Where a decoded token's time goes, per K/V cache type and context depth (issue 15, docs/decode-profile.md).
 
-    python -m study.decode_profile --out docs/decode-profile.md [--types ott2,f16] [--depths 0,4096,8192]
+    python -m study.decode_profile --out docs/decode-profile.md [--types ott2,f16,compact] [--depths 0,4096,8192]
         [--threads 2] [--tokens 64] [--model smollm2-135m]
 
 For each (type, depth): a context is filled with `depth` random tokens (not timed), then `tokens` tokens are
@@ -161,19 +161,23 @@ def _state_bytes(info: dict[str, object], d: int, h_kv: int, kbits: int, vbits: 
 
 def profile_one(path: Path, kv_type: str, depth: int, threads: int, n_tok: int, out_dir: Path, syms: Symbols) -> Row:
     from ott_gguf import Llama
+    from ott_gguf.tiers import KV_TIERS
 
     mi = model_info(path)
     rng = random.Random(depth)
-    # "f16:fa0": f16 under llama.cpp's plain attention (mul_mat + soft_max), as llama-bench -fa 0
+    # "f16:fa0": f16 under llama.cpp's plain attention (mul_mat + soft_max), as llama-bench -fa 0; a tier name
+    # (compact, quality): the tier's pair, parameters and this model's calibrated widths
     base, _, mode = kv_type.partition(":")
     if mode not in ("", "fa0") or (mode and base != "f16"):
-        raise SystemExit(f"unknown type {kv_type!r}: a cache type, or f16:fa0")
+        raise SystemExit(f"unknown type {kv_type!r}: a cache type, a tier, or f16:fa0")
+    tier = base in KV_TIERS
     with captured_log():
         # swa_full=False as llama-bench sets it: window layers hold their window only, as the ott caches' do (the
         # C API's default, true, gives f16 a full-size window cache and an unlike comparison on Gemma 3)
-        llm = Llama(str(path), kv_type=base, n_ctx=depth + n_tok + 256, n_batch=512, n_ubatch=512,
-                    n_threads=threads, n_threads_batch=threads, swa_full=False, flash_attn=mode != "fa0",
-                    verbose=False)  # fmt: skip
+        kind: dict[str, object] = {"kv_tier": base} if tier else {"kv_type": base}
+        llm = Llama(str(path), n_ctx=depth + n_tok + 256, n_batch=512, n_ubatch=512, n_threads=threads,
+                    n_threads_batch=threads, swa_full=False, flash_attn=mode != "fa0", verbose=False,
+                    **kind)  # type: ignore[arg-type]  # fmt: skip
     n_vocab = llm.n_vocab()
     if depth:
         llm.eval([rng.randrange(100, n_vocab) for _ in range(depth)])
@@ -189,7 +193,9 @@ def profile_one(path: Path, kv_type: str, depth: int, threads: int, n_tok: int, 
     perf.send_signal(signal.SIGINT)
     perf.wait()
     state = 0
-    if base not in ("f16", "q8_0", "q4_0"):
+    if tier:
+        pass  # widths per layer: the state counted below assumes one width pair; none given (GB/s "-")
+    elif base not in ("f16", "q8_0", "q4_0"):
         k, v = resolve_kv_types(kv_type)
         kb, vb = (int(re.sub(r"\D", "", x)) for x in (k, v))
         state = _state_bytes(llm.kv_cache_info(), mi.head_dim_k, mi.n_head_kv or 0, kb, vb)
@@ -241,8 +247,8 @@ def markdown(res: dict[str, object]) -> str:
         cells = [f"{r.cpu_ms.get(c, 0.0):.2f}" for c in cats]
         dense = r.kv_type.partition(":")[0] in ("f16", "q8_0", "q4_0")
         what = "f16 attention" if dense else "ott attention partial"
-        lines.append(f"| {r.kv_type} | {r.depth} | {r.wall_ms:.2f} | " + " | ".join(cells) +
-                     f" | {r.state_bytes / 1e6:.1f} | {r.gbps(what):.1f} |")  # fmt: skip
+        state = f"{r.state_bytes / 1e6:.1f} | {r.gbps(what):.1f}" if r.state_bytes else "- | -"
+        lines.append(f"| {r.kv_type} | {r.depth} | {r.wall_ms:.2f} | " + " | ".join(cells) + f" | {state} |")
     lines += ["", "### Largest functions (CPU ms per decoded token, summed over threads)", ""]
     for r in rows:
         tops = ", ".join(f"{f} {ms:.2f}" for f, ms in r.top.items())
@@ -276,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         print("perf not found: install linux-perf", file=sys.stderr)
         return 2
     path = models.fetch(a.model, quiet=True)
-    found = sorted(HERE.parent.glob("build/*/bin/libggml-cpu.so.*.*"), key=lambda p: p.stat().st_mtime)
+    # the unstripped libraries and generated sources of this install's build directory (outside the clone since
+    # 2026-11-29), else of an in-tree build (OTT_BUILD_DIR=build)
+    from ott_gguf import build_info
+
+    trees = [Path(str(build_info().get("build_dir", ""))), *HERE.parent.glob("build/*")]
+    found = sorted((p for t in trees for p in t.glob("bin/libggml-cpu.so.*.*")), key=lambda p: p.stat().st_mtime)
     syms = Symbols(a.symbols or (found[-1] if found else None))
     res: dict[str, object] = {
         "machine": f"{platform.machine()}, {a.threads} threads",
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": bandwidth(a.threads),
         "rows": [],
     }
-    gens = sorted(HERE.parent.glob("build/*/ott-gen/ggml/ott2-head.c"), key=lambda p: p.stat().st_mtime)
+    gens = sorted((p for t in trees for p in t.glob("ott-gen/ggml/ott2-head.c")), key=lambda p: p.stat().st_mtime)
     gen_dir = a.gen_dir or (gens[-1].parent if gens else None)
     res["micro"] = microbench(gen_dir) if gen_dir is not None else []
     with tempfile.TemporaryDirectory() as tmp:
