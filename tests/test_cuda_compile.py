@@ -6,8 +6,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import tool_cache
@@ -81,37 +83,84 @@ def test_generated_cuda_compiles(cuda_sources: Path, arch: str, tmp_path: Path) 
         assert f"ott_cuda_dequantize_{tag}" in syms and f"ott_cuda_quantize_{tag}" in syms
 
 
+class HeadUnit(NamedTuple):
+    obj: Path  # the object file (host code and the device code's SASS and PTX)
+    ptx: str  # its PTX (nvcc -keep's), with the CUDA rendering's markers
+    ptxas: str  # ptxas -v's report: registers, spills and shared memory of each kernel
+
+
+@pytest.fixture(scope="module")
+def head_units(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, HeadUnit]]:
+    """The per-head CUDA units (gen/templates/ott_cuda_ops.j2 with the test program's entry points, one file per
+    head config) compiled for an architecture: one nvcc run per head config serves the library check below and the
+    structure checks (its PTX kept, ptxas -v's report), at once, one per core; each architecture once per module."""
+    require_tool("nvcc", hint="the CUDA toolkit")
+    src = tmp_path_factory.mktemp("cuda-ops")
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
+                    "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
+    done: dict[str, dict[str, HeadUnit]] = {}
+
+    def compile_for(arch: str) -> dict[str, HeadUnit]:
+        if arch in done:
+            return done[arch]
+        out = src / arch
+        out.mkdir()
+        tags = {h: spec_tag(h) for h in TEST_HEADS}
+        objs = {h: out / f"ott2-cuda-{t}.o" for h, t in tags.items()}
+        ptx = {h: out / f"ott2-cuda-{t}.ptx" for h, t in tags.items()}  # -keep's name for it
+        cmds = [["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-Xcompiler", "-fPIC",
+                 "-Werror", "all-warnings", "-Xptxas", "-v", "-keep", "-keep-dir", str(out), "-I", str(src),
+                 str(src / f"ott2-cuda-{t}.cu"), "-o", str(objs[h])] for h, t in tags.items()]  # fmt: skip
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            results = list(pool.map(lambda c, h: tool_cache.run(c, keep=[ptx[h]]), cmds, TEST_HEADS))
+        for res in results:
+            assert res.returncode == 0, res.stderr[-4000:]
+        done[arch] = {h: HeadUnit(objs[h], ptx[h].read_text(), r.stdout + r.stderr)
+                      for h, r in zip(TEST_HEADS, results, strict=True)}  # fmt: skip
+        return done[arch]
+
+    return compile_for
+
+
 @pytest.mark.parametrize("arch", ARCH_TURN)
-def test_cuda_ops_and_test_program_compile(arch: str, tmp_path: Path) -> None:
+def test_cuda_ops_and_test_program_compile(arch: str, head_units: Callable[[str], dict[str, HeadUnit]],
+                                           tmp_path: Path) -> None:  # fmt: skip
     """The cache's CUDA ops (seal, attention partials, merge; gen/templates/ott_cuda_ops.j2) with the test
     program's entry points (what test_cuda_emu.py runs on a GPU), as a shared library, for each architecture:
     one file per head config, configs that between them have every K width and every V width, k_mix and v_sym."""
-    require_tool("nvcc", hint="the CUDA toolkit")
-    src = tmp_path / "gen"
-    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
-                    "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
+    units = head_units(arch)
     lib = tmp_path / "libott_cuda_test.so"
-    tags = [spec_tag(h) for h in TEST_HEADS]
-    objs = [tmp_path / f"ott2-cuda-{t}.o" for t in tags]
-    for res in run_all([["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-Xcompiler",
-                         "-fPIC", "-Werror", "all-warnings", "-I", str(src), str(src / f"ott2-cuda-{t}.cu"), "-o",
-                         str(o)] for t, o in zip(tags, objs, strict=True)]):  # fmt: skip
-        assert res.returncode == 0, res.stderr[-4000:]
-    res = tool_cache.run(["nvcc", "-shared", f"-arch={arch}", *map(str, objs), "-o", str(lib)])
+    res = tool_cache.run(["nvcc", "-shared", f"-arch={arch}", *(str(u.obj) for u in units.values()), "-o", str(lib)])
     assert res.returncode == 0, res.stderr[-4000:]
     syms = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True, check=True).stdout
-    for tag in tags:
+    for tag in map(spec_tag, TEST_HEADS):
         for fn in ("attn", "seal"):
             assert f"ott2_cuda_{tag}_{fn}" in syms and f"ott2_cudatest_{tag}_{fn}" in syms
+
+
+def head_sections(unit: str) -> tuple[str, dict[str, str]]:
+    """(header line, text of each head config's section by spec) of a generated unit of several head configs
+    (render_cuda_ops: sections that each open with "// ---- head config" and guard the shared prelude)."""
+    m = re.search(r"heads=([0-9ms/:]+(?:,[0-9ms/:]+)*)", unit.splitlines()[0])
+    assert m, "no head configs in the header line"
+    specs = m.group(1).split(",")
+    header, *parts = re.split(r"^(?=// ---- head config )", unit, flags=re.M)
+    assert len(parts) == len(specs), (len(parts), specs)
+    return header, dict(zip(specs, parts, strict=True))
+
+
+# head configs of the build's unit compiled per run besides TEST_HEADS (those compile every run on their own, the
+# same template's text): the others take turns (make test-all: the build's whole unit, to the SASS)
+OPS_TURN_HEADS = 5
 
 
 @pytest.mark.parametrize("arch", ARCH_TURN)
 def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     """The ggml-cuda side of the ott ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
     against the patched ggml-cuda headers), the build's generated kernels, and the patched ggml-cuda.cu whose
-    dispatch and supports_op call the glue. The generated kernels (ott2-cuda-ops.cu, every K/V width pair of the
-    build in one unit: the slow one) for the first architecture of the run; for the others the same template is
-    compiled per head config by test_cuda_ops_and_test_program_compile."""
+    dispatch and supports_op call the glue. The generated kernels (ott2-cuda-ops.cu: every K/V width pair of the
+    build in one unit, 20 head configs, 195 s of nvcc's front end alone on this machine) for the first architecture
+    of the run: OPS_TURN_HEADS of the head configs not among TEST_HEADS, in turn, cut from the build's own unit."""
     require_tool("nvcc", hint="the CUDA toolkit")
     from ott_gguf import build_info
 
@@ -121,16 +170,25 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
            "-I", str(gen)]  # fmt: skip
     syms = ""
     ops = gen / "ott2-cuda-ops.cu"
+    header, sections = head_sections(ops.read_text())
+    # ott2..4 K with ott2..4 V, 3- and 2-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
+    # symmetric 2-bit V (v_sym)
+    tags = [spec_tag(h) for h in sections]
+    assert len(tags) == 20 and sum("v2s" in t for t in tags) == 5 and sum("k2m" in t for t in tags) == 4
+    assert set(TEST_HEADS) - set(sections) <= {"2/2s:64:32"}, "TEST_HEADS are the build's configs (and Gv 32)"
     with_ops = arch == ARCH_TURN[0]
-    units = [("ops", ops)] if with_ops else []  # the longest first
+    turn = list(sections) if TEST_ALL else rotate([h for h in sections if h not in TEST_HEADS], OPS_TURN_HEADS)
+    unit = tmp_path / "ott2-cuda-ops.cu"  # the build's unit, cut to the turn's head configs
+    unit.write_text(header + "".join(sections[h] for h in turn))
+    units = [("ops", unit)] if with_ops else []  # the longest first
     units += [
         ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
     ops_syms = ""
-    # the 20 head configs' kernels to PTX only (front end, host code and device code, without ptxas: half the
-    # time); ptxas runs on the per-head units (test_cuda_ops_and_test_program_compile, and sm_90's structure
-    # checks below) and on this one under make test-all
+    # the kernels to PTX only (front end, host code and device code, without ptxas: half the time); ptxas runs on
+    # the per-head units (test_cuda_ops_and_test_program_compile, whose report the structure checks read) and on
+    # the whole unit under make test-all
     ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
     cmds = [["nvcc", "-c", "-O3", "-std=c++17", ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}",
              "-DGGML_USE_CUDA", *inc, str(cu), "-o", str(tmp_path / f"{name}.o")] for name, cu in units]  # fmt: skip
@@ -149,23 +207,18 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     ):
         assert fn in syms
     # the glue reaches the kernels of every head config the build renders (through ott2_cuda_find)
-    m = re.search(r"heads=([0-9ms/:]+(?:,[0-9ms/:]+)*)", ops.read_text().splitlines()[0])
-    assert m, "no head configs in the header line of ott2-cuda-ops.cu"
-    tags = [spec_tag(h) for h in m.group(1).split(",")]
-    # ott2..4 K with ott2..4 V, 3- and 2-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
-    # symmetric 2-bit V (v_sym)
-    assert len(tags) == 20 and sum("v2s" in t for t in tags) == 5 and sum("k2m" in t for t in tags) == 4
-    for tag in tags:
+    for h, tag in zip(sections, tags, strict=True):
         # attn_merge_seal: the merge and the seal in one launch, which the glue's merge runs at decode
         for fn in ("attn_part", "attn_merge", "seal", "attn_merge_seal"):
             assert f"U ott2_cuda_{tag}_{fn}" in syms  # referenced by the glue
-            if with_ops:
+            if with_ops and h in turn:
                 assert f" T ott2_cuda_{tag}_{fn}" in ops_syms  # and defined by the generated unit
     assert syms.count("U ggml_cuda_op_ott_attn_part") == 1  # referenced by the dispatch
 
 
-# the attention partials' kernel structure (gen/templates/ott_cuda_ops.j2, attn_part_vec_kernel), for one architecture
-STRUCT_ARCH = "sm_90"
+# the attention partials' kernel structure (gen/templates/ott_cuda_ops.j2, attn_part_vec_kernel), for the turn's
+# first architecture: the per-head units' own compile (its PTX and ptxas -v's report), no second front end
+STRUCT_ARCH = ARCH_TURN[0]
 ENTRY = re.compile(r"^\.(?:visible |weak )?\.?entry\s+(\w+)", re.M)
 BARRIER = re.compile(r"\b(?:bar|barrier)\.(?:sync|arrive|red)\b")  # block barriers; bar.warp.sync is __syncwarp
 
@@ -219,34 +272,11 @@ def ptxas_resources(log: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def ops_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    require_tool("nvcc", "ptxas", hint="the CUDA toolkit")
-    src = tmp_path_factory.mktemp("cuda-ops")
-    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src),
-                    "--cuda-heads", ",".join(TEST_HEADS)], check=True)  # fmt: skip
-    return src
-
-
-@pytest.fixture(scope="module")
-def all_ops_ptx(ops_sources: Path) -> dict[str, tuple[str, str]]:
-    """(PTX, ptxas -v's report) of each head config's CUDA ops: nvcc's front end, then ptxas on its PTX; the head
-    configs at once, one per core."""
-    ptx = {h: ops_sources / f"ott2-cuda-{spec_tag(h)}.ptx" for h in TEST_HEADS}
-    for res in run_all([["nvcc", "-ptx", "-O3", "-std=c++17", f"-arch={STRUCT_ARCH}", "-I", str(ops_sources),
-                         str(p.with_suffix(".cu")), "-o", str(p)] for p in ptx.values()]):  # fmt: skip
-        assert res.returncode == 0, res.stderr[-4000:]
-    logs = run_all([["ptxas", f"-arch={STRUCT_ARCH}", "-v", str(p), "-o", str(p.with_suffix(".cubin"))]
-                    for p in ptx.values()])  # fmt: skip
-    for res in logs:
-        assert res.returncode == 0, res.stderr[-4000:]
-    return {h: (p.read_text(), r.stdout + r.stderr) for (h, p), r in zip(ptx.items(), logs, strict=True)}
-
-
 @pytest.fixture(params=TEST_HEADS)
-def ops_ptx(request: pytest.FixtureRequest, all_ops_ptx: dict[str, tuple[str, str]]) -> tuple[str, str, str]:
-    """(head, PTX, ptxas -v's report) of one head config's CUDA ops."""
-    return request.param, *all_ops_ptx[request.param]
+def ops_ptx(request: pytest.FixtureRequest, head_units: Callable[[str], dict[str, HeadUnit]]) -> tuple[str, str, str]:
+    """(head, PTX, ptxas -v's report) of one head config's CUDA ops, from the per-head units' compile."""
+    u = head_units(STRUCT_ARCH)[request.param]
+    return request.param, u.ptx, u.ptxas
 
 
 def test_attention_kernels_do_not_spill(ops_ptx: tuple[str, str, str]) -> None:

@@ -5,11 +5,12 @@ what an earlier one compiled from the same inputs, as ccache does for the projec
 The key is everything the result can depend on:
   - the tool's and the host compiler's `--version` (the toolkit's own headers and libraries come with them);
   - the command line, with each input file replaced by its content's hash, each directory (`-I DIR`) by the
-    hash of every source and header under it, and the output (`-o OUT`) by its name;
+    hash of every source and header under it, and the output (`-o OUT`) and nvcc's `-keep-dir DIR` by their names;
   - the sources and headers next to each input file (`#include "x.h"` looks there first).
-Only a run that succeeded is stored (its output file, stdout, stderr); a hit writes the same output file and
-returns the same stdout and stderr. `OTT_TEST_TOOL_CACHE=0` turns the cache off, `OTT_TEST_TOOL_CACHE=DIR` moves
-it (default: ~/.cache/ott-gguf/test-tools, kept under 4 GiB, least recently used entries dropped first).
+Only a run that succeeded is stored (its output file, the intermediate files asked for with `keep=`, stdout,
+stderr); a hit writes the same files and returns the same stdout and stderr. `OTT_TEST_TOOL_CACHE=0` turns the
+cache off, `OTT_TEST_TOOL_CACHE=DIR` moves it (default: ~/.cache/ott-gguf/test-tools, kept under 4 GiB, least
+recently used entries dropped first).
 
     python tests/tool_cache.py nvcc ARGS...   # the same through the cache (native/tests/build-ott-bench.sh's NVCC)
 """
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -78,6 +80,10 @@ def key_of(cmd: list[str], cwd: Path) -> tuple[str, Path | None]:
             out = cwd / o
             h.update(b"-o " + Path(o).name.encode() + b"\n")
             continue
+        if a == "-keep-dir":  # where the intermediates go: an output, not an input
+            _, d = next(args)
+            h.update(b"-keep-dir " + Path(d).name.encode() + b"\n")
+            continue
         p = cwd / a
         if a.startswith("-") or not p.exists():
             h.update(b"arg " + a.encode() + b"\n")
@@ -105,27 +111,36 @@ def _evict(root: Path) -> None:
         total -= size
 
 
-def run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """subprocess.run(cmd, capture_output=True, text=True) through the cache."""
+def run(cmd: list[str], cwd: Path | None = None, keep: Sequence[Path] = ()) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(cmd, capture_output=True, text=True) through the cache. keep: files the command writes besides
+    its -o output (nvcc -keep's PTX), stored and restored with it."""
     root = cache_dir()
     wd = Path(cwd) if cwd else Path.cwd()
     if root is None:
         return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     key, out = key_of(cmd, wd)
+    h = hashlib.sha256(key.encode())
+    for k in keep:
+        h.update(b"\0keep " + Path(k).name.encode())
+    key = h.hexdigest() if keep else key
     entry = root / key
     meta = entry / "meta.json"
     if meta.exists():
         m = json.loads(meta.read_text())
         if out is not None:
             shutil.copy(entry / "output", out)  # with its mode (an executable)
+        for i, k in enumerate(keep):
+            shutil.copy(entry / f"keep.{i}", wd / k)
         os.utime(entry)
         return subprocess.CompletedProcess(cmd, 0, m["stdout"], m["stderr"])
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
-    if res.returncode == 0 and (out is None or out.is_file()):
+    if res.returncode == 0 and (out is None or out.is_file()) and all((wd / k).is_file() for k in keep):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
         if out is not None:
             shutil.copy(out, tmp / "output")
+        for i, k in enumerate(keep):
+            shutil.copy(wd / k, tmp / f"keep.{i}")
         (tmp / "meta.json").write_text(json.dumps({"cmd": cmd, "stdout": res.stdout, "stderr": res.stderr}))
         try:
             tmp.rename(entry)  # another process may have stored the same key meanwhile: keep its entry
