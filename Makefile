@@ -68,9 +68,10 @@ lint: $(BIN)/python
 # the test files run in TEST_WORKERS processes (pytest-xdist, a file per process at a time: a module's model is
 # loaded once); 1 runs them in this one. Two on 2 cores: much of the suite leaves a core idle (nvcc, lavapipe's one
 # thread, numpy), and the tests' OpenMP threads sleep soon at their barriers (GOMP_SPINCOUNT, tests/conftest.py):
-# measured 416 s -> 319 s on a dozen files (docs/testing.md)
+# measured 416 s -> 319 s on a dozen files (docs/testing.md). The longest files first (tests/conftest.py COST_ORDER),
+# not xdist's default of the files with the most tests first
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,)
 
 test: install apt-test lint
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "pexpect>=4.9" "pyyaml>=6" "cffi>=1.16" \

@@ -46,6 +46,28 @@ def gemma3() -> Path:
     return models.fetch("gemma3-270m", quiet=True)
 
 
+# --- the order the files run in: the longest first (issue 50). Under pytest-xdist's --dist loadfile each worker takes
+# the next file when it is done, so a long file taken last runs alone while the other core idles: on a bare machine
+# (CI's), lavapipe's and nvcc's compiling made test_vulkan_ops and test_cuda_compile the two longest files, and
+# xdist's default order (files with the most tests first, the Makefile turns it off) ran them last: 30 min of wall
+# for 25.5 min of work per worker. Their seconds on a bare machine (2 cores, docs/testing.md), the longest first;
+# the files not named here run after them, in their usual order.
+COST_ORDER = [
+    "test_vulkan_ops.py", "test_same_answer.py", "test_quality.py", "test_vulkan.py", "test_cuda_compile.py",
+    "test_cuda_emu.py", "test_cli_tools.py", "test_build.py", "test_cuda_bench.py", "test_ott2_cache.py",
+    "test_tiers_flag.py", "test_layer_widths.py", "test_neon.py", "test_llama.py", "test_rpc.py", "test_kv_pairs.py",
+    "test_capture.py", "test_ott2_batch.py", "test_server_load.py", "test_chat.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    if missing := [n for n in COST_ORDER if not (here / n).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py COST_ORDER names files that do not exist: {missing}")
+    rank = {name: i for i, name in enumerate(COST_ORDER)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: each file's own order kept
+
+
 # --- the suite's time budget, printed at the end of every run (issue 50): wall time per test file, so that a file
 # that grows is seen in the CI log when it happens; the ten slowest tests come from pytest's --durations=10
 _FILE_SECONDS: dict[str, float] = {}
