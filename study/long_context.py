@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ott_gguf import models
+from ott_gguf import tiers as kv_tiers
 from ott_gguf._lib import bin_path
 from ott_gguf.corpus import docs_text
 
@@ -39,7 +40,13 @@ RUNS = "smollm2-135m:2048:3,smollm2-135m:8192:2,gemma3-270m:16384:1"
 
 
 def tier_of(spec: str, model: str) -> Tier:
-    """A tier from its name in TIERS ('quality' is the model's calibrated recipe) or K/V@PARAMS[#WIDTHS]."""
+    """A tier from its name in TIERS ('quality' is the model's calibrated recipe, 'compact' ott2 with symmetric V and
+    the model's shipped compact calibration) or K/V@PARAMS[#WIDTHS]."""
+    if spec == "compact":
+        kv, params = kv_tiers.TIER_PAIRS["compact"]
+        name = kv_tiers.calibration_name(models.MODELS[model].sha256, kv, params)
+        widths = kv_tiers.read_calibration(kv_tiers.PACKAGE_CALIBRATIONS / name).layer_widths
+        return tier_of(f"{kv}@{params}#{widths}", model)
     if spec == "quality":
         cfg = QUALITY_TIERS[model]
         return Tier("ott3", "ott2", True, layers=cfg.layer_widths, k_mix=cfg.k_mix, v_sym=cfg.v_sym, R=cfg.R)
@@ -67,7 +74,7 @@ DEFAULT_TIERS: dict[str, Tier] = {
     # 2-bit keys uniform (k_mix 1: mixed widths in 3-bit keys only), ott2's default before k_mix 2
     "ott2 uniform K": Tier("ott2", "ott2", True, k_mix=1),
 }
-TIERS = ("q8_0", "q4_0", "kivi2", "ott2", "ott3/ott2", "quality")
+TIERS = ("q8_0", "q4_0", "kivi2", "ott2", "compact", "ott3/ott2", "quality")
 
 
 @dataclass(frozen=True)

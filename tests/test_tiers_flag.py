@@ -16,7 +16,7 @@ from helpers import THREADS, run_cli
 # the widths of the calibrations shipped in the package (docs/tiers.md, the quality tier)
 SHIPPED = {"smollm2-135m": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2", "gemma3-270m": "11:3/3,17:2/2"}
 # and the compact tier's (ott2 with symmetric values, keys widened where they count at 8k, docs/long-context.md)
-COMPACT = {"smollm2-135m": "8-9:3/2,16-23:3/2"}
+COMPACT = {"smollm2-135m": "8-9:3/2,16-23:3/2", "gemma3-270m": "5:3/2,11:3/2,17:3/2"}
 
 
 @pytest.fixture
