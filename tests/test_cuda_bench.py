@@ -66,6 +66,8 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
             for k in KERNELS:
                 r = found.get((f"ott2_cuda_{tag}_{k}", f"sm_{arch}"))
                 assert r is not None and r["regs"] > 0, (tag, k, arch, sorted(found))
+                # no spills at the datacenter architecture either (test_cuda_compile checks the consumer ones)
+                assert r["spill_st"] == r["spill_ld"] == 0, (tag, k, arch, r)
     assert len(found) == len(BENCH_ARCHS) * len(BENCH_TAGS) * len(KERNELS)
 
     # the plan without a GPU: the cache's slices (llama.cpp pads -d 4096 -n 16 to 4352 positions: NG 33, NS 9;
