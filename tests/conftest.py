@@ -49,9 +49,9 @@ def gemma3() -> Path:
 # --- the order the files run in: the longest first (issue 50). Under pytest-xdist's --dist loadfile each worker takes
 # the next file when it is done, so a long file taken last runs alone while the other core idles: on a bare machine
 # (CI's), lavapipe's and nvcc's compiling made test_vulkan_ops and test_cuda_compile the two longest files, and
-# xdist's default order (files with the most tests first, the Makefile turns it off) ran them last: 30 min of wall
-# for 25.5 min of work per worker. Their seconds on a bare machine (2 cores, docs/testing.md), the longest first;
-# the files not named here run after them, in their usual order.
+# xdist's default order (files with the most tests first, the Makefile turns it off) ran them last. Their seconds
+# on a bare machine (2 cores, docs/testing.md), the longest first; the files not named here run after them, in their
+# usual order.
 COST_ORDER = [
     "test_vulkan_ops.py", "test_same_answer.py", "test_quality.py", "test_vulkan.py", "test_cuda_compile.py",
     "test_cuda_emu.py", "test_cli_tools.py", "test_build.py", "test_cuda_bench.py", "test_ott2_cache.py",
