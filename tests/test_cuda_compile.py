@@ -103,8 +103,9 @@ def head_units(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict
     def compile_for(arch: str) -> dict[str, HeadUnit]:
         if arch in done:
             return done[arch]
-        out = src / arch
-        out.mkdir()
+        # the objects and nvcc's intermediates outside src: the tool cache hashes the sources under `-I src` into
+        # each key, and the units compile two at a time (inside src, one unit's *.cudafe1.cpp changed the next key)
+        out = tmp_path_factory.mktemp(f"keep-{arch}")
         tags = {h: spec_tag(h) for h in TEST_HEADS}
         objs = {h: out / f"ott2-cuda-{t}.o" for h, t in tags.items()}
         ptx = {h: out / f"ott2-cuda-{t}.ptx" for h, t in tags.items()}  # -keep's name for it
