@@ -6,8 +6,9 @@ content changes (FlashInfer's write_if_different), so the build recompiles only 
 
 Targets:
   ggml     what the ott caches run in the build, for every (K width, V width) pair of the cache types: the
-           per-head kernels of ggml-cpu and libllama (ott2-head.{h,c}) and the cache's ops as CUDA (ott2-cuda-ops.cu)
-           and as their CPU emulation for the tests (ott2-emu-ops.cpp), with their header ott2-cuda.h; the ops
+           per-head kernels of ggml-cpu and libllama (ott2-head.{h,c}) and the cache's ops as CUDA, a unit per head
+           config (ott2-cuda-<tag>.cu), and as their CPU emulation for the tests (ott2-emu-<tag>.cpp), with their
+           header ott2-cuda.h; the ops
            ported to Vulkan as GLSL compute shaders from the same template (ott2-vk-<kernel>.comp, compiled to
            SPIR-V by the build) and their table ott2-vk.h.
   kernels  a stand-alone kernel library for the tests only (never installed): every (bits, group) config for
@@ -344,10 +345,13 @@ def gen_ggml(out: Path, G: int, Gv: int) -> dict[str, str]:
         "ott2-head.h": render(e, "llama_head.h.j2", ph, heads=heads),
         "ott2-head.c": render(e, "llama_head.c.j2", ph, heads=heads),
         "ott2-cuda.h": render(e, "ott_cuda.h.j2", ph, heads=heads, modes=["cuda", "emu"], table=True),
-        "ott2-cuda-ops.cu": render_cuda_ops(e, heads, "cuda"),
-        # the same kernels emulated on the CPU: the test library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
-        "ott2-emu-ops.cpp": render_cuda_ops(e, heads, "emu"),
     }
+    # one unit per head config, so that the build compiles them in parallel (the 20 in one unit were the CUDA
+    # build's and the test libraries' longest job); the emulation runs the same kernels on the CPU for the test
+    # library ott_cuda_emu (native/tests/ott-cuda-emu.cpp)
+    for hc in heads:
+        files[f"ott2-cuda-{hc.tag}.cu"] = render_cuda_ops(e, [hc], "cuda")
+        files[f"ott2-emu-{hc.tag}.cpp"] = render_cuda_ops(e, [hc], "emu")
     shaders = []  # (name, kernel, head config or None): ott2-vk-<name>.comp each
     for k in VK_BINDINGS:
         for hc in [None] if k in VK_SHARED_KERNELS else heads:

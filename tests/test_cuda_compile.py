@@ -159,9 +159,9 @@ OPS_TURN_HEADS = 5
 def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     """The ggml-cuda side of the ott ops as the CUDA build compiles it: the glue (native/ggml/ggml-cuda-ott.cu,
     against the patched ggml-cuda headers), the build's generated kernels, and the patched ggml-cuda.cu whose
-    dispatch and supports_op call the glue. The generated kernels (ott2-cuda-ops.cu: every K/V width pair of the
-    build in one unit, 20 head configs, 195 s of nvcc's front end alone on this machine) for the first architecture
-    of the run: OPS_TURN_HEADS of the head configs not among TEST_HEADS, in turn, cut from the build's own unit."""
+    dispatch and supports_op call the glue. The generated kernels (ott2-cuda-<tag>.cu: every K/V width pair of the
+    build, 20 head configs, a unit each; 195 s of nvcc's front end alone on this machine for all) for the first
+    architecture of the run: OPS_TURN_HEADS of the head configs not among TEST_HEADS, in turn, in one unit."""
     require_tool("nvcc", hint="the CUDA toolkit")
     from ott_gguf import build_info
 
@@ -170,8 +170,11 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     inc = ["-I", str(src / "ggml" / "src"), "-I", str(src / "ggml" / "include"), "-I", str(ROOT / "native" / "ggml"),
            "-I", str(gen)]  # fmt: skip
     syms = ""
-    ops = gen / "ott2-cuda-ops.cu"
-    header, sections = head_sections(ops.read_text())
+    header, sections = "", {}
+    for ops in sorted(gen.glob("ott2-cuda-*.cu")):  # the build's units, one per head config
+        header, one = head_sections(ops.read_text())
+        assert len(one) == 1 and ops.name == f"ott2-cuda-{spec_tag(next(iter(one)))}.cu", ops.name
+        sections |= one
     # ott2..4 K with ott2..4 V, 3- and 2-bit keys of mixed widths (k_mix) with each V, and every K (k_mix too) with
     # symmetric 2-bit V (v_sym)
     tags = [spec_tag(h) for h in sections]
@@ -179,7 +182,7 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     assert set(TEST_HEADS) - set(sections) <= {"2/2s:64:32"}, "TEST_HEADS are the build's configs (and Gv 32)"
     with_ops = arch == ARCH_TURN[0]
     turn = list(sections) if TEST_ALL else rotate([h for h in sections if h not in TEST_HEADS], OPS_TURN_HEADS)
-    unit = tmp_path / "ott2-cuda-ops.cu"  # the build's unit, cut to the turn's head configs
+    unit = tmp_path / "ott2-cuda-ops.cu"  # the turn's head configs, the build's units in one
     unit.write_text(header + "".join(sections[h] for h in turn))
     units = [("ops", unit)] if with_ops else []  # the longest first
     units += [

@@ -323,6 +323,10 @@ def test_one_stream_of_several_and_nonfinite_flag(emu: OpsLib) -> None:
 
 @pytest.fixture(scope="module")
 def cuda_lib(sources: Path) -> OpsLib:
+    # OTT_CUDA_TESTLIB: the same library built elsewhere from these templates (study/gpu_offline/bundle.sh builds
+    # it for the GPU machine, where the nvcc of 9 head configs would take minutes of a short lease)
+    if prebuilt := os.environ.get("OTT_CUDA_TESTLIB"):
+        return OpsLib(Path(prebuilt), "cuda", TAGS)
     # one nvcc build (about 40 s) for every case
     return OpsLib(build_cuda_testlib(sources, TAGS, sources), "cuda", TAGS)
 

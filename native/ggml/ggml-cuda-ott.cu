@@ -1,5 +1,5 @@
 // ott-gguf: the ott2 cache's ops on CUDA: tensors to kernel arguments (ggml-ott-args.h), then the generated
-// kernels (ott2-cuda-ops.cu, from gen/templates/ott_cuda_ops.j2, one set per K/V width pair).
+// kernels (ott2-cuda-<tag>.cu, from gen/templates/ott_cuda_ops.j2, a unit per head config).
 #include "ggml-cuda-ott.cuh"
 #include "ggml-ott-args.h"
 

@@ -1,4 +1,4 @@
-// ott-gguf tests: the CUDA kernels' emulation (ott2-emu-ops.cpp: gen/templates/ott_cuda_ops.j2 rendered as C++)
+// ott-gguf tests: the CUDA kernels' emulation (ott2-emu-<tag>.cpp: gen/templates/ott_cuda_ops.j2 rendered as C++)
 // as ggml-cpu's implementation of the ott2 ops, with the CUDA dispatch's arguments (ggml-ott-args.h) and the
 // GPU's slicing: a model's graph then runs the CUDA path's logic end to end without a GPU. Single-threaded and
 // slow. A test-only library (CMake target ott_cuda_emu, never installed): loading it (LD_PRELOAD into a tool, or

@@ -32,5 +32,16 @@ cp study/gpu_offline/*.sh $OUT/
 # close to 64 MiB). Without nvcc here, pipeline.sh builds it on the GPU machine.
 if command -v nvcc > /dev/null; then
   bash native/tests/build-ott-bench.sh && xz -9 -c build/cuda-bench/ott-bench > $OUT/ott-bench.xz
+  # the CUDA test library of tests/test_cuda_emu.py (its head configs, OTT_CU_TEST_API) for the GPU's architecture
+  # (TESTLIB_ARCH, default 90: the H100/H200), a unit per head config compiled in parallel: pipeline.sh runs the
+  # kernels against the numpy reference with it (OTT_CUDA_TESTLIB) while the build runs
+  T=build/cuda-testlib; rm -rf $T && mkdir -p $T
+  HEADS=$(cd tests && ../.venv/bin/python -c 'from test_cuda_emu import HEADS; from cuda_ops import head_spec
+print(",".join(head_spec(*h) for h in HEADS))')
+  .venv/bin/python gen/generate.py cuda --out $T --cuda-heads "$HEADS"
+  ls $T/ott2-cuda-*.cu | xargs -P "$(nproc)" -I{} nvcc -c -O3 -std=c++17 -arch=sm_${TESTLIB_ARCH:-90} \
+    -DOTT_CU_TEST_API -Xcompiler -fPIC -I $T {} -o {}.o
+  nvcc -shared -arch=sm_${TESTLIB_ARCH:-90} $T/ott2-cuda-*.cu.o -o $T/libott_cuda_test.so
+  xz -9 -c $T/libott_cuda_test.so > $OUT/cuda-testlib.xz
 fi
-du -sh $OUT/src.tar.xz $OUT/model.part00 $OUT/model.part01 $OUT/ott-bench.xz 2>/dev/null || true
+du -sh $OUT/src.tar.xz $OUT/model.part00 $OUT/model.part01 $OUT/ott-bench.xz $OUT/cuda-testlib.xz 2>/dev/null || true

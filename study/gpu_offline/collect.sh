@@ -9,6 +9,6 @@ if [ -f .gpu-bundle/model.part01 ] && [ -f $W/model.part00 ]; then
 fi
 end=$((SECONDS + ${WAIT:-500}))
 while [ ! -f $W/done ] && [ $SECONDS -lt $end ]; do sleep 5; done
-cp $W/pipeline.log $W/build-full.log $W/benchmarks-gpu.md $W/ncu-ott2.csv $OUT/ 2>/dev/null
+cp $W/pipeline.log $W/on-gpu.log $W/build-full.log $W/benchmarks-gpu.md $W/ncu-ott2.csv $OUT/ 2>/dev/null
 [ -f $W/done ] && echo PIPELINE-DONE || echo PIPELINE-RUNNING
 tail -c 10000 $W/pipeline.log

@@ -1,12 +1,13 @@
 #!/bin/bash
 # On the GPU machine, in the background: what `make gpu-test` does, with no network (bundle.sh brought the
 # inputs), most important first, since a lease can end before the last step: the kernel harness ott-bench (under a
-# minute, before the build: where the ott ops' time goes, docs/cuda-harness.md); CUDA build for this GPU; the
-# libstdc++ check and the in-process tests (each group in its own pytest, so that a crash hides nothing else; the
-# native backtrace only where one crashed); op placement; per-kernel device time of the ott ops (ncu); decode
-# speed at depth 4096; decode on the 8B shape (study.random_gguf, written during the build) at 4096 and 32768;
-# ott2/q4_0 KL divergence against f16 on the GPU; the kernels against the numpy reference; the whole benchmark
-# (study.gpu_check) only where FULL_BENCH is set.
+# minute, before the build: where the ott ops' time goes, docs/cuda-harness.md); the kernels against the numpy
+# reference (the test library bundle.sh built, beside the build); the CUDA build for this GPU; ott2's logits on
+# the GPU against the CPU's and op placement (in process, each group in its own pytest, so that a crash hides
+# nothing else); decode speed, f16 and ott2 interleaved, on SmolLM2 and on the 8B shape (study.random_gguf,
+# written during the build) at depths 4096 and 32768; per-kernel device time of the ott ops (ncu); the other
+# cache types' logits, KL divergence against f16 on the GPU, the libstdc++ check, greedy generation, the native
+# backtrace of an in-process run that crashed; the whole benchmark (study.gpu_check) only where FULL_BENCH is set.
 W=/tmp/ott
 export OTT_GGUF_CACHE=$W/cache/ott-gguf PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -19,9 +20,18 @@ else  # not bundled (no nvcc where it was made): built here for this GPU
   CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
   bash native/tests/build-ott-bench.sh $W/bench "$CAP" | tail -1 && cp $W/bench/ott-bench $W/
 fi
-timeout 120 $W/ott-bench; echo "ott-bench rc=$?"
+timeout 90 $W/ott-bench; echo "ott-bench rc=$?"
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
+PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
+# the kernels against the numpy reference, on one core beside the build (the package from source: no native
+# library is needed); run again after the build when it did not get as far as a test result
+if [ -f .gpu-bundle/cuda-testlib.xz ]; then
+  xz -dc .gpu-bundle/cuda-testlib.xz > $W/libott_cuda_test.so
+  (cd tests && OTT_CUDA_TESTLIB=$W/libott_cuda_test.so PYTHONPATH=$W/repo timeout 300 $PT test_cuda_emu.py -k on_gpu \
+    > $W/on-gpu.log 2>&1) &
+  ONGPU=$!
+fi
 # Llama-3-8B's shape with random Q4_0 weights (4.3 GiB, ~15 s of one core: written here, not carried), while the
 # build takes the other cores; the 8B decode step waits for it
 log "the 8B-shaped model, in the background: python3 -m study.random_gguf --shape llama3-8b"
@@ -34,53 +44,46 @@ time python3 -m pip install --no-index --no-deps --no-build-isolation -Ccmake.de
   -Cbuild-dir=$W/build . > $W/build-full.log 2>&1
 rc=$?; tail -3 $W/build-full.log
 [ $rc = 0 ] || { tail -60 $W/build-full.log; log build failed; touch $W/done; exit 1; }
+log "kernels against the numpy reference (test_cuda_emu.py -k on_gpu, started before the build)"
+[ -n "$ONGPU" ] && wait $ONGPU; tail -6 $W/on-gpu.log
+if ! grep -qE "[0-9]+ (passed|failed)" $W/on-gpu.log; then
+  (cd tests && OTT_CUDA_TESTLIB=$W/libott_cuda_test.so timeout 240 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -12)
+fi
 log waiting for the model
 for _ in $(seq 900); do [ -f $W/model.ready ] && break; sleep 1; done
 M=$OTT_GGUF_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf
 B=$(cd / && python3 -c 'import ott_gguf._lib as l; print(l.bin_path("llama-bench").parent)')
 cd tests
-PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
-log "a copy of libstdc++ exported by any library? (the test, then libggml-cuda's link line)"
-timeout 120 $PT test_build.py -k libstdcxx 2>&1 | tail -4
-(cd $W/build && ninja -t commands "$(ninja -t targets all | grep -o '^[^:]*libggml-cuda\.so\.[0-9.]*[0-9]' | head -1)" \
-  | tail -1 | tr ' ' '\n' | grep -v '\.o$' | grep .)
 crashed=""
-for kv in f16 q8_0 q4_0 ott2; do
-  log "GPU vs CPU logits, $kv (in process)"; timeout 240 $PT test_gpu.py -k "logits and $kv" 2>&1 | tail -8
-  [ "${PIPESTATUS[0]}" = 0 ] || crashed="logits and $kv"
-done
-log "greedy generation (in process)"; timeout 240 $PT test_gpu.py -k greedy 2>&1 | tail -10
-if [ -n "$crashed" ]; then
-  log "where the in-process run of '$crashed' failed: its native backtrace, if it crashed"
-  timeout 180 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "bt 20" --args $PT test_gpu.py -k "$crashed" \
-    2>&1 | grep -A22 "received signal" | head -24
-fi
-log "op placement"; timeout 240 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
+log "GPU vs CPU logits, ott2 (in process)"; timeout 180 $PT test_gpu.py -k "logits and ott2" 2>&1 | tail -8
+[ "${PIPESTATUS[0]}" = 0 ] || crashed="logits and ott2"
+log "op placement"; timeout 150 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
+# decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved; a run that
+# fails or passes 100 s ends its depth (the deeper one would too)
+bench() {  # model label depth rounds n
+  for r in $(seq $4); do
+    for kv in f16 ott2; do
+      res=$(timeout 100 $B/llama-bench -m $1 -ctk $kv -ctv $kv -fa 1 -p 0 -n $5 -d $3 -r 1 -ngl 99 2>/dev/null \
+        | grep "tg$5")
+      echo "$2 d$3 round $r $kv: ${res:-no tg$5 row (failed, or past 100 s)}"
+      [ -n "$res" ] || return 1
+    done
+  done
+}
+log "decode, SmolLM2: depth 4096 (3 rounds of tg64), 32768 (2 rounds of tg32)"
+bench $M smol 4096 3 64; bench $M smol 32768 2 32
+log "decode, the 8B shape (random Q4_0 weights, 32 layers): depth 4096 (2 rounds of tg32), 32768 (1 round)"
+wait; cat $W/random-gguf.log  # the model writer started before the build
+bench $W/llama3-8b.gguf 8b 4096 2 32 && bench $W/llama3-8b.gguf 8b 32768 1 32
 log "ncu: device time of each ott kernel launch, ott2 at depth 4096 (prefill ubatches, then 8 decoded tokens)"
 # the time only: metrics that need replay passes (DRAM, SM throughput) over 2400 launches ran past 240 s
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-timeout 150 $NCU --csv --kernel-name-base function --kernel-name regex:ott2_ --launch-count 2400 \
+timeout 100 $NCU --csv --kernel-name-base function --kernel-name regex:ott2_ --launch-count 2400 \
   --metrics gpu__time_duration.sum \
   $B/llama-bench -m $M -ctk ott2 -ctv ott2 -fa 1 -p 0 -n 8 -d 4096 -r 1 -ngl 99 --no-warmup > $W/ncu-ott2.csv 2> $W/ncu.err
 echo "ncu rc=$? $(wc -l < $W/ncu-ott2.csv) lines"; tail -3 $W/ncu.err
 python3 study/gpu_offline/ncu_summary.py $W/ncu-ott2.csv
-log "decode speed, f16 and ott2 at depth 4096 (tg64, 3 repetitions)"
-for kv in f16 ott2; do
-  timeout 120 $B/llama-bench -m $M -ctk $kv -ctv $kv -fa 1 -p 0 -n 64 -d 4096 -r 3 -ngl 99 2>/dev/null | grep tg64
-done
-log "decode on the 8B shape (random Q4_0 weights, 32 layers), f16 and ott2 interleaved: tg32 at depth 4096, 32768"
-wait; cat $W/random-gguf.log  # the model writer started before the build
-for d in 4096 32768; do
-  for r in $(seq $([ $d = 4096 ] && echo 3 || echo 2)); do
-    for kv in f16 ott2; do
-      res=$(timeout 100 $B/llama-bench -m $W/llama3-8b.gguf -ctk $kv -ctv $kv -fa 1 -p 0 -n 32 -d $d -r 1 -ngl 99 \
-        2>/dev/null | grep tg32)
-      echo "round $r $kv: ${res:-no tg32 row (failed, or past 100 s)}"
-      [ -n "$res" ] || continue 3  # failed or past 100 s: the next depth (the deeper one would fail too)
-    done
-  done
-done
 log "KL divergence against f16 on the GPU (-ngl 99)"
 D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) --kl-divergence-base $W/base.kld \
@@ -89,8 +92,19 @@ for kv in ott2 q4_0; do
   echo "$kv:"; timeout 120 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) \
     -ctk $kv -ctv $kv -fa on --kl-divergence-base $W/base.kld --kl-divergence 2>&1 | grep -E "Mean    KLD|Same top p"
 done
-log "kernel ops on the GPU against the numpy reference"
-(cd tests && timeout 300 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -12)
+cd tests
+for kv in f16 q4_0; do
+  log "GPU vs CPU logits, $kv (in process)"; timeout 180 $PT test_gpu.py -k "logits and $kv" 2>&1 | tail -4
+  [ "${PIPESTATUS[0]}" = 0 ] || crashed="${crashed:-logits and $kv}"
+done
+log "a copy of libstdc++ exported by any library?"; timeout 120 $PT test_build.py -k libstdcxx 2>&1 | tail -4
+log "greedy generation (in process)"; timeout 180 $PT test_gpu.py -k greedy 2>&1 | tail -6
+if [ -n "$crashed" ]; then
+  log "where the in-process run of '$crashed' failed: its native backtrace, if it crashed"
+  timeout 180 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "bt 20" --args $PT test_gpu.py -k "$crashed" \
+    2>&1 | grep -A22 "received signal" | head -24
+fi
+cd ..
 log bench; [ -n "$FULL_BENCH" ] && timeout 600 python3 -m study.gpu_check --skip-tests --out $W/benchmarks-gpu.md 2>&1 \
   | grep -v "^load\|^print_info\|^llama_model_load" | tail -24
 log done; touch $W/done
