@@ -5,7 +5,7 @@
 # reference (the test library bundle.sh built, beside the build); the CUDA build for this GPU; ott2's logits on
 # the GPU against the CPU's and op placement (in process, each group in its own pytest, so that a crash hides
 # nothing else); decode speed, f16 and ott2 interleaved, on SmolLM2 and on the 8B shape (study.random_gguf,
-# written during the build) at depths 4096 and 32768; per-kernel device time of the ott ops (ncu); the other
+# written during the build) at depths 4096 and 32768; ncu sections of the harness's partials; the other
 # cache types' logits, KL divergence against f16 on the GPU, the libstdc++ check, greedy generation, the native
 # backtrace of an in-process run that crashed; the whole benchmark (study.gpu_check) only where FULL_BENCH is set.
 W=/tmp/ott
@@ -26,13 +26,22 @@ SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
 # the kernels against the numpy reference, on one core beside the build (the package from source: no native
 # library is needed), with the test library bundle.sh built (call 2 brings it: call 1 is near 64 MiB); run again
-# after the build when it did not get as far as a test result
+# after the build when it did not get as far as a test result. Then the sanitizers, 4 minutes at most, ended
+# after the build at the latest (they must not share the GPU with the timings)
 (for _ in $(seq 300); do [ -f $W/cuda-testlib.xz ] && break; sleep 1; done
  xz -dc $W/cuda-testlib.xz > $W/libott_cuda_test.so || exit
  mkdir -p $W/no-native/lib  # the package from source, whose tests/conftest.py wants a native directory: an empty one
- cd tests && OTT_CUDA_TESTLIB=$W/libott_cuda_test.so PYTHONPATH=$W/repo OTT_GGUF_NATIVE_DIR=$W/no-native \
-   timeout 300 $PT test_cuda_emu.py -k on_gpu) \
-  > $W/on-gpu.log 2>&1 &
+ cd tests && export OTT_CUDA_TESTLIB=$W/libott_cuda_test.so PYTHONPATH=$W/repo OTT_GGUF_NATIVE_DIR=$W/no-native
+ timeout 300 $PT test_cuda_emu.py -k on_gpu
+ # shared-memory races and barrier misuse, which the emulation (lanes and threads one after another) cannot show:
+ # the first launches of the decode harness and of the reference tests (prefill rows included), checked
+ CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1)
+ for tool in racecheck synccheck; do
+   echo "== compute-sanitizer --tool $tool: ott-bench smol 4096 ott2 (12 launches), test_cuda_emu on_gpu (60)"
+   timeout 60 $CS --tool $tool --launch-count 12 $W/ott-bench smol 4096 ott2 2>&1 | grep -E "SUMMARY|azard|arrier" | head -6
+   timeout 60 $CS --tool $tool --launch-count 60 $PT test_cuda_emu.py -k on_gpu -x 2>&1 \
+     | grep -E "SUMMARY|azard|arrier|passed|failed" | head -6
+ done) > $W/on-gpu.log 2>&1 &
 ONGPU=$!
 # Llama-3-8B's shape with random Q4_0 weights (4.3 GiB, ~15 s of one core: written here, not carried), while the
 # build takes the other cores; the 8B decode step waits for it
@@ -47,7 +56,8 @@ time python3 -m pip install --no-index --no-deps --no-build-isolation -Ccmake.de
 rc=$?; tail -3 $W/build-full.log
 [ $rc = 0 ] || { tail -60 $W/build-full.log; log build failed; touch $W/done; exit 1; }
 log "kernels against the numpy reference (test_cuda_emu.py -k on_gpu, started before the build)"
-wait $ONGPU; tail -6 $W/on-gpu.log
+for _ in $(seq 60); do kill -0 $ONGPU 2>/dev/null || break; sleep 1; done
+pkill -f compute-sanitizer; wait $ONGPU; tail -20 $W/on-gpu.log
 if [ -f $W/libott_cuda_test.so ] && ! grep -qE "[0-9]+ (passed|failed)" $W/on-gpu.log; then
   (cd tests && OTT_CUDA_TESTLIB=$W/libott_cuda_test.so timeout 240 $PT test_cuda_emu.py -k on_gpu 2>&1 | tail -12)
 fi
@@ -59,6 +69,8 @@ cd tests
 crashed=""
 log "GPU vs CPU logits, ott2 (in process)"; timeout 180 $PT test_gpu.py -k "logits and ott2" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" = 0 ] || crashed="logits and ott2"
+log "where ott2's GPU logits leave the CPU's: per position, by variant (study/gpu_offline/logits_probe.py)"
+(cd .. && timeout 150 python3 -m study.gpu_offline.logits_probe 2>&1 | grep -v "^llama\|^load\|^print_info")
 log "op placement"; timeout 150 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
 # decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved; a run that
@@ -78,14 +90,16 @@ bench $M smol 4096 3 64; bench $M smol 32768 2 32
 log "decode, the 8B shape (random Q4_0 weights, 32 layers): depth 4096 (2 rounds of tg32), 32768 (1 round)"
 wait; cat $W/random-gguf.log  # the model writer started before the build
 bench $W/llama3-8b.gguf 8b 4096 2 32 && bench $W/llama3-8b.gguf 8b 32768 1 32
-log "ncu: device time of each ott kernel launch, ott2 at depth 4096 (prefill ubatches, then 8 decoded tokens)"
-# the time only: metrics that need replay passes (DRAM, SM throughput) over 2400 launches ran past 240 s
+log "ncu: the partials of the harness at depth 4096, both shapes (occupancy, stalls, instructions, memory)"
+# over llama-bench the first 2400 launches were all the depth's prefill: the harness's decode launch instead
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-timeout 100 $NCU --csv --kernel-name-base function --kernel-name regex:ott2_ --launch-count 2400 \
-  --metrics gpu__time_duration.sum \
-  $B/llama-bench -m $M -ctk ott2 -ctv ott2 -fa 1 -p 0 -n 8 -d 4096 -r 1 -ngl 99 --no-warmup > $W/ncu-ott2.csv 2> $W/ncu.err
-echo "ncu rc=$? $(wc -l < $W/ncu-ott2.csv) lines"; tail -3 $W/ncu.err
-python3 study/gpu_offline/ncu_summary.py $W/ncu-ott2.csv
+for shape in smol llama8b; do
+  timeout 60 $NCU --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis -k regex:attn_part -c 1 \
+    $W/ott-bench $shape 4096 ott2 > $W/ncu-$shape.txt 2>&1
+  echo "ncu $shape rc=$?"; grep -E "^    (Duration|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Inst|Grid Size)" \
+    $W/ncu-$shape.txt
+done
 log "KL divergence against f16 on the GPU (-ngl 99)"
 D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) --kl-divergence-base $W/base.kld \
