@@ -16,13 +16,13 @@ from helpers import ROOT, require_tool
 BENCH_ARCHS = ["90"]
 # the head configs ott-bench.cu includes (its cfgs: ott2, ott2u, the quality tier) and the ops it times
 BENCH_TAGS = ["k2mv2g128x64", "k2v2g128x64", "k3mv2sg128x64"]
-# (the attention partials: one kernel per channels-per-lane count, attn_part_vec<CPL>, picked by D; the merge and the
-# seal in one launch, attn_merge_seal)
-KERNELS = ["attn_part_vec<2>", "attn_part_vec<4>", "attn_part_vec<8>", "attn_part_vec<16>", "attn_merge", "seal",
-           "attn_merge_seal"]  # fmt: skip
+# (the attention partials: attn_part_vec<CPL, RP, NW>, channels per lane, rows per pass and warps picked by D: 16
+# warps at D 64, 8 at D 128; the merge and the seal in one launch, attn_merge_seal)
+KERNELS = ["attn_part_vec<2,4,16>", "attn_part_vec<4,4,8>", "attn_part_vec<8,2,4>", "attn_part_vec<16,1,4>",
+           "attn_merge", "seal", "attn_merge_seal"]  # fmt: skip
 
 # (the fused kernel's second parameter, int64_t n_merge, mangles as a trailing l)
-ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:ILi(\d+)EEv)?\d+ott_cu_argsl?' for '(sm_\d+)'")
+ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:I((?:Li\d+E)+)Ev)?\d+ott_cu_argsl?' for '(sm_\d+)'")
 STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")
 
@@ -34,7 +34,8 @@ def ptxas_resources(report: str) -> dict[tuple[str, str], dict[str, int]]:
     stack = (0, 0, 0)
     for line in report.splitlines():
         if m := ENTRY.search(line):
-            name = m.group(1) + (f"<{m.group(2)}>" if m.group(2) else "")
+            targs = re.findall(r"Li(\d+)E", m.group(2) or "")  # template arguments
+            name = m.group(1) + (f"<{','.join(targs)}>" if targs else "")
             key, stack = (name, m.group(3)), (0, 0, 0)
         elif (m := STACK.search(line)) and key:
             stack = (int(m.group(1)), int(m.group(2)), int(m.group(3)))

@@ -284,8 +284,9 @@ def ops_ptx(request: pytest.FixtureRequest, head_units: Callable[[str], dict[str
 
 
 def test_attention_kernels_do_not_spill(ops_ptx: tuple[str, str, str]) -> None:
-    """ptxas keeps every attention partials kernel (each channels-per-lane instance) and the merge in registers:
-    a spill in the group loop is a local-memory round trip per token."""
+    """ptxas keeps every attention partials kernel (each <channels per lane, rows per pass, warps> instance, one
+    per head dimension range) and the merge in registers: a spill in the item loop is a local-memory round trip
+    per token. The 16-warp instance (D 64) has 128 registers at most (512 threads per block)."""
     head, _, log = ops_ptx
     spills = {n: v for n, v in ptxas_spills(log).items() if "attn_part" in n or "attn_merge11" in n}
     assert sum("attn_part" in n for n in spills) == 4 and sum("attn_merge" in n for n in spills) == 1, (head, spills)
@@ -314,7 +315,7 @@ def test_attention_group_loop_has_no_block_barrier(ops_ptx: tuple[str, str, str]
     PTX (the block's barriers come before and after the loop, never per group)."""
     head, ptx, _ = ops_ptx
     parts = {n: b for n, b in ptx_entries(ptx).items() if "attn_part" in n}
-    assert len(parts) == 4, (head, list(parts))  # one kernel per channels-per-lane instance
+    assert len(parts) == 4, (head, list(parts))  # one kernel per <CPL, RP, NW> instance (per range of D)
     for name, body in parts.items():
         loops, bars = group_loop_barriers(body)
         assert loops >= 1, f"{head} {name}: no group loop markers"

@@ -1,7 +1,7 @@
 // ott-bench: the ott2 cache's CUDA ops (gen/templates/ott_cuda_ops.j2) timed alone, on random valid state at the
 // shapes and depths of the decode benchmarks (docs/cuda-harness.md). The generated units are included here so
 // that their `static __global__` kernels can be named (resources, occupancy; the attention partials' kernel of a
-// head dimension through _attn_part_kernel(D)); the launchers are the ones
+// head dimension through _attn_part_kernel); the launchers are the ones
 // ggml-cuda calls (ggml-cuda-ott.cu), so a launch here is a launch of `-ctk ott2 -ctv ott2`.
 //   ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|ott2u|quality|all]
 // Built by native/tests/build-ott-bench.sh (make cuda-bench); exit status 0, or 1 with the reason on stderr.
@@ -50,7 +50,7 @@ struct ott_bench_cfg {
     int32_t G, Gv, R, O, aux;  // llama_ott_config: G, R, outlier_num, aux_cap (Gv: the head config's)
     ott_bench_launcher part, merge, seal, fused;     // the launchers ggml-cuda calls (fused: merge and seal)
     ott_bench_launcher epart, emerge, eseal, efused; // their CPU emulation (--emu)
-    const void * (*kpart)(int32_t D);                // the attention partials' kernel at head dimension D
+    const void * (*kpart)(int32_t D, int32_t * threads); // the partials' kernel at head dimension D, its threads
     const void * kmerge, * kseal, * kfused;          // the other kernels
 };
 
@@ -679,19 +679,24 @@ int main(int argc, char ** argv) {
         const ott_bench_cfg & cfg = cfgs[ci];
         for (size_t si = 0; si < n_shape; ++si) {
             const int32_t D = shapes[si].D;
-            const void * ks[N_KERNELS] = { cfg.kpart(D), cfg.kmerge, cfg.kseal, cfg.kfused };
+            int32_t part_threads = 0;
+            const void * kpart = cfg.kpart(D, &part_threads);
+            const void * ks[N_KERNELS] = { kpart, cfg.kmerge, cfg.kseal, cfg.kfused };
             for (int k = 0; k < N_KERNELS; ++k) {
+                const int nt = k == 0 ? part_threads : OTT_NT;
                 cudaFuncAttributes fa;
                 OTT_CHECK(cudaFuncGetAttributes(&fa, ks[k]));
-                OTT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ[ci][si][k], ks[k], OTT_NT, 0));
+                OTT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ[ci][si][k], ks[k], nt, 0));
                 if (pick(a_cfg, cfg.name) && (k == 0 || si == 0)) {
                     // as ncu names it
                     std::string fn = std::string("ott2_cuda_") + cfg.tag + "_" + kernel_fn[k];
                     if (k == 0) {
-                        fn += "_vec<" + std::to_string(D <= 64 ? 2 : D <= 128 ? 4 : D <= 256 ? 8 : 16) + ">";
+                        const int cpl = D <= 64 ? 2 : D <= 128 ? 4 : D <= 256 ? 8 : 16;
+                        fn += "_vec<" + std::to_string(cpl) + ", " + std::to_string(cpl <= 4 ? 4 : 16/cpl) + ", " +
+                              std::to_string(part_threads/32) + ">";
                     }
                     printf("%-8s %-44s %5d %7zu %7zu %9d %8d\n", cfg.name, fn.c_str(), fa.numRegs,
-                           fa.localSizeBytes, fa.sharedSizeBytes, occ[ci][si][k], occ[ci][si][k]*OTT_NT/32);
+                           fa.localSizeBytes, fa.sharedSizeBytes, occ[ci][si][k], occ[ci][si][k]*nt/32);
                 }
             }
         }

@@ -6,13 +6,17 @@ positions 1-5 and the kernels' CPU emulation equalled the CPU path at positions 
 neither in the kernels' logic nor in the rest of the model. The variants split the cache's paths: 4-bit codes on
 one side or both (the ott caches hold both sides: f16 on one is refused), no outlier pools (kivi2), values not
 rotated, uniform key widths, token by token (the decode kernels and the fused merge with the seal) instead of one
-ubatch (the prefill rows).
+ubatch (the prefill rows). ggml-cuda's switches are read once per process, so the pass runs the probe again with
+one of them set and --only ott2: GGML_CUDA_DISABLE_FUSION=1 (its fused rope/set_rows and norm paths),
+GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32, GGML_CUDA_DISABLE_GRAPHS=1.
 
-    python3 -m study.gpu_offline.logits_probe [N_TOKENS]    # on a CUDA build (docs/gpu-offline.md)
+    python3 -m study.gpu_offline.logits_probe [--tokens N] [--only LABEL ...]   # on a CUDA build
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from typing import Any
 
@@ -47,12 +51,20 @@ def kld_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def main(argv: list[str]) -> int:
-    n = int(argv[0]) if argv else 300
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--only", nargs="*", default=None, help="labels of VARIANTS to run (default: all)")
+    args = ap.parse_args(argv)
+    switches = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GGML_CUDA_"))
     model = str(models.fetch("smollm2-135m", quiet=True))
     llm = Llama(model, vocab_only=True, verbose=False)
-    tokens = llm.tokenize(docs_text(40_000).encode())[:n]
+    tokens = llm.tokenize(docs_text(40_000).encode())[: args.tokens]
     llm.close()
     for label, kv, ub, cfg in VARIANTS:
+        if args.only is not None and label not in args.only:
+            continue
+        if switches:
+            label = f"{label} [{switches}]"
         kw: dict[str, Any] = {} if cfg is None else {"ott_config": cfg}
         try:
             cpu = eval_logits(model, kv, tokens, n_ctx=512, ubatch=ub, n_gpu_layers=0, **kw)

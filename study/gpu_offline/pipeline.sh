@@ -70,7 +70,10 @@ crashed=""
 log "GPU vs CPU logits, ott2 (in process)"; timeout 180 $PT test_gpu.py -k "logits and ott2" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" = 0 ] || crashed="logits and ott2"
 log "where ott2's GPU logits leave the CPU's: per position, by variant (study/gpu_offline/logits_probe.py)"
-(cd .. && timeout 150 python3 -m study.gpu_offline.logits_probe 2>&1 | grep -v "^llama\|^load\|^print_info")
+(cd .. && timeout 150 python3 -m study.gpu_offline.logits_probe 2>&1 | grep -v "^llama\|^load\|^print_info"
+ for sw in GGML_CUDA_DISABLE_FUSION=1 GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 GGML_CUDA_DISABLE_GRAPHS=1; do
+   env $sw timeout 60 python3 -m study.gpu_offline.logits_probe --only ott2 2>&1 | grep "^ott2"
+ done)
 log "op placement"; timeout 150 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
 # decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved; a run that
