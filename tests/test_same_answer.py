@@ -4,6 +4,7 @@ ubatches, and a reused prompt prefix is cut only where the cache holds what a fr
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import llama_cpp
@@ -33,9 +34,14 @@ def prompt_tokens(smollm2: Path) -> list[int]:
     return toks[:N_PROMPT]
 
 
+# OTT_TEST_NGL: layers offloaded (the GPU pass sets 99: batch invariance of the CUDA kernels, docs/gpu-offline.md)
+NGL = int(os.environ.get("OTT_TEST_NGL", "0"))
+
+
 def last_logits(model: Path, kv_type: str, tokens: list[int], chunks: list[int], n_ubatch: int) -> np.ndarray:
     """Last-token logits after evaluating `tokens` in the given consecutive chunks (one llama_decode each)."""
-    llm = Llama(str(model), kv_type=kv_type, n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, verbose=False)
+    llm = Llama(str(model), kv_type=kv_type, n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, n_gpu_layers=NGL,
+                verbose=False)  # fmt: skip
     i = 0
     for c in chunks:
         llm.eval(tokens[i : i + c])

@@ -112,6 +112,8 @@ for kv in ott2 q4_0; do
     -ctk $kv -ctv $kv -fa on --kl-divergence-base $W/base.kld --kl-divergence 2>&1 | grep -E "Mean    KLD|Same top p"
 done
 cd tests
+log "batch invariance on the GPU: test_same_answer.py's split modes, OTT_TEST_NGL=99"
+OTT_TEST_NGL=99 timeout 240 $PT test_same_answer.py -k "batching or split_modes" 2>&1 | grep -E "max \||passed|failed"
 for kv in f16 q4_0; do
   log "GPU vs CPU logits, $kv (in process)"; timeout 180 $PT test_gpu.py -k "logits and $kv" 2>&1 | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || crashed="${crashed:-logits and $kv}"
