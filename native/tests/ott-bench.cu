@@ -152,12 +152,14 @@ static void put_u16(uint8_t * p, uint16_t x) { memcpy(p, &x, sizeof(x)); }
 
 // the timed rows: the partials, the merge, the seal (a decode step: nothing to seal), a sealing event, and the merge
 // and the seal in one launch (ott2_cu_ops.attn_merge_seal, what ggml-cuda runs at decode) at a decode step and at a
-// sealing event; each row's kernel (its resources: kernel_res)
-enum { R_PART, R_MERGE, R_SEAL, R_EVENT, R_FUSED, R_FUSED_EVENT, N_ROWS };
+// sealing event; the partials again with only their sealed groups (part_sealed: no ring but the token) and with
+// only their fp16 tail (part_tail: the ring, nothing sealed), which say which kind of block sets the launch's time;
+// each row's kernel (its resources: kernel_res)
+enum { R_PART, R_MERGE, R_SEAL, R_EVENT, R_FUSED, R_FUSED_EVENT, R_PART_SEALED, R_PART_TAIL, N_ROWS };
 enum { K_PART, K_MERGE, K_SEAL, K_FUSED, N_KERNELS };
 static const char * const kernel_names[N_ROWS] = { "attn_part", "attn_merge", "seal", "seal_event", "merge_seal",
-                                                   "merge_seal_event" };
-static const int kernel_res[N_ROWS] = { K_PART, K_MERGE, K_SEAL, K_SEAL, K_FUSED, K_FUSED };
+                                                   "merge_seal_event", "part_sealed", "part_tail" };
+static const int kernel_res[N_ROWS] = { K_PART, K_MERGE, K_SEAL, K_SEAL, K_FUSED, K_FUSED, K_PART, K_PART };
 static const char * const kernel_fn[N_KERNELS] = { "attn_part", "attn_merge", "seal", "attn_merge_seal" };
 
 // sizes and plans of one (config, shape, depth), as the cache computes them (llama-kv-cache-ott.cpp/.h)
@@ -198,7 +200,7 @@ static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape
     // the launchers' grids (ott_cuda_ops.j2) at ns = n_tok = 1: attn_part a block per (KV head, sealed slice),
     // serving the KV head's gq query heads, and per (KV head, query head) of the fp16 tail
     const int32_t H = shape->H, gq = shape->n_head/H, G = cfg->G;
-    c.grid[R_PART] = (int64_t) H*(c.NS + gq)*((1 + OTT_TC - 1)/OTT_TC);
+    c.grid[R_PART] = c.grid[R_PART_SEALED] = c.grid[R_PART_TAIL] = (int64_t) H*(c.NS + gq)*((1 + OTT_TC - 1)/OTT_TC);
     c.grid[R_MERGE] = shape->n_head;
     c.grid[R_SEAL] = c.grid[R_EVENT] = H;
     c.grid[R_FUSED] = c.grid[R_FUSED_EVENT] = shape->n_head + H;
@@ -206,8 +208,9 @@ static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape
     // the ring tail; merge: the partials in, the output out; seal: the token's K and V in, their ring rows out;
     // sealing event: that, plus the group's ring rows in and its codes out.
     const int32_t n_pooled = cfg->O + cfg->aux/2, n_ring = depth - c.n_sealed*G;
-    c.bytes[0] = (double) c.n_sealed*H*(c.kgb + c.vgb) + (double) H*n_pooled*2*D*2 + (double) H*(2*c.S + 3)*4 +
-                 (double) H*n_ring*2*D*2;
+    c.bytes[R_PART_SEALED] = (double) c.n_sealed*H*(c.kgb + c.vgb) + (double) H*n_pooled*2*D*2 + (double) H*(2*c.S + 3)*4;
+    c.bytes[R_PART_TAIL] = (double) H*n_ring*2*D*2;
+    c.bytes[R_PART] = c.bytes[R_PART_SEALED] + c.bytes[R_PART_TAIL];
     c.bytes[1] = (double) (D + 2)*gq*H*(c.NS + 1)*4 + (double) D*shape->n_head*4;
     c.bytes[2] = (double) H*D*2*4 + (double) H*D*2*2;
     c.bytes[3] = c.bytes[2] + (double) H*2*G*D*2 + (double) H*(c.kgb + c.vgb);
@@ -482,6 +485,14 @@ static int run_case(const ott_bench_env & env, const ott_bench_case & c, const i
         cfg.emerge(&a, nullptr);
     } else {
         print_row(c, R_PART, occ[K_PART], env.n_sm, time_launches(env, cfg.part, &a));
+        const int32_t sealed_only[4] = { 0, c.n_sealed*G, c.n_sealed, c.n_sealed };
+        to_buf(b.plan, sealed_only, sizeof(sealed_only));
+        print_row(c, R_PART_SEALED, occ[K_PART], env.n_sm, time_launches(env, cfg.part, &a));
+        const int32_t tail_only[4] = { 0, c.depth - c.n_sealed*G, 0, 0 };
+        to_buf(b.plan, tail_only, sizeof(tail_only));
+        print_row(c, R_PART_TAIL, occ[K_PART], env.n_sm, time_launches(env, cfg.part, &a));
+        to_buf(b.plan, decode, sizeof(decode));
+        cfg.part(&a, env.stream); // the partials of the decode plan again, for the merge below
         print_row(c, R_MERGE, occ[K_MERGE], env.n_sm, time_launches(env, cfg.merge, &a));
     }
     // garbage check: the merged output of the state above is finite and not all zero
