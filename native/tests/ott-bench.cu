@@ -50,7 +50,7 @@ struct ott_bench_cfg {
     int32_t G, Gv, R, O, aux;  // llama_ott_config: G, R, outlier_num, aux_cap (Gv: the head config's)
     ott_bench_launcher part, merge, seal, fused;     // the launchers ggml-cuda calls (fused: merge and seal)
     ott_bench_launcher epart, emerge, eseal, efused; // their CPU emulation (--emu)
-    const void * (*kpart)(int32_t D, int32_t * threads); // the partials' kernel at head dimension D, its threads
+    const void * (*kpart)(int32_t D, int32_t * threads, const char ** targs); // the partials' kernel at D
     const void * kmerge, * kseal, * kfused;          // the other kernels
 };
 
@@ -691,7 +691,8 @@ int main(int argc, char ** argv) {
         for (size_t si = 0; si < n_shape; ++si) {
             const int32_t D = shapes[si].D;
             int32_t part_threads = 0;
-            const void * kpart = cfg.kpart(D, &part_threads);
+            const char * part_targs = "";
+            const void * kpart = cfg.kpart(D, &part_threads, &part_targs);
             const void * ks[N_KERNELS] = { kpart, cfg.kmerge, cfg.kseal, cfg.kfused };
             for (int k = 0; k < N_KERNELS; ++k) {
                 const int nt = k == 0 ? part_threads : OTT_NT;
@@ -702,9 +703,7 @@ int main(int argc, char ** argv) {
                     // as ncu names it
                     std::string fn = std::string("ott2_cuda_") + cfg.tag + "_" + kernel_fn[k];
                     if (k == 0) {
-                        const int cpl = D <= 64 ? 2 : D <= 128 ? 4 : D <= 256 ? 8 : 16;
-                        fn += "_vec<" + std::to_string(cpl) + ", " + std::to_string(cpl <= 4 ? 4 : 16/cpl) + ", " +
-                              std::to_string(part_threads/32) + ">";
+                        fn += std::string("_vec") + part_targs;
                     }
                     printf("%-8s %-44s %5d %7zu %7zu %9d %8d\n", cfg.name, fn.c_str(), fa.numRegs,
                            fa.localSizeBytes, fa.sharedSizeBytes, occ[ci][si][k], occ[ci][si][k]*nt/32);
