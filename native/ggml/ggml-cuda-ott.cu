@@ -64,6 +64,7 @@ void ggml_cuda_op_ott_attn_part(ggml_backend_cuda_context & ctx, ggml_tensor * d
     const ott2_cu_ops * ops = ott_cu_ops_of(dst);
     GGML_ASSERT(ops);
     ott_cu_args a = ggml_ott_cu_args(dst);
+    GGML_ASSERT((uintptr_t) a.ring % 16 == 0 && "ott: the fp16 tail reads ring rows 16 bytes at a time");
     a.part = (float *) dst->data;
     ops->attn_part(&a, ctx.stream());
 }
