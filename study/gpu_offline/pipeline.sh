@@ -93,6 +93,15 @@ bench $M smol 4096 3 64; bench $M smol 32768 2 32
 log "decode, the 8B shape (random Q4_0 weights, 32 layers): depth 4096 (2 rounds of tg32), 32768 (1 round)"
 wait; cat $W/random-gguf.log  # the model writer started before the build
 bench $W/llama3-8b.gguf 8b 4096 2 32 && bench $W/llama3-8b.gguf 8b 32768 1 32
+# prefill at depth (the 8B shape's 32k ott2 prefill passed 100 s on 2026-11-30): pp512 after 4096 tokens, one round
+log "prefill: pp512 at depth 4096, f16 and ott2, both models (1 round)"
+for m in "$M smol" "$W/llama3-8b.gguf 8b"; do
+  set -- $m
+  for kv in f16 ott2; do
+    res=$(timeout 60 $B/llama-bench -m $1 -ctk $kv -ctv $kv -fa 1 -p 512 -n 0 -d 4096 -r 1 -ngl 99 2>/dev/null | grep pp512)
+    echo "$2 d4096 $kv: ${res:-no pp512 row (failed, or past 60 s)}"
+  done
+done
 log "ncu: the partials of the harness at depth 4096, both shapes (occupancy, stalls, instructions, memory)"
 # over llama-bench the first 2400 launches were all the depth's prefill: the harness's decode launch instead
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
