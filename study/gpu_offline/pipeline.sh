@@ -74,6 +74,9 @@ log "where ott2's GPU logits leave the CPU's: per position, by variant (study/gp
  for sw in GGML_CUDA_DISABLE_FUSION=1 GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 GGML_CUDA_DISABLE_GRAPHS=1; do
    env $sw timeout 60 python3 -m study.gpu_offline.logits_probe --only ott2 2>&1 | grep "^ott2"
  done)
+log "the first tensor where they part: layers 0-1 of the first ubatch through the eval callback (tensor_probe.py)"
+(cd .. && for kv in ott2 q8_0; do timeout 60 python3 -m study.gpu_offline.tensor_probe --kv $kv 2>&1 \
+   | grep -v "^llama\|^load\|^print_info"; done)
 log "op placement"; timeout 150 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
 # decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved; a run that
