@@ -86,8 +86,9 @@ TIER_KLD_BOUNDS = {
     "gemma3": (1536, 768, {"ott3/ott2": 0.020, "uniform": 0.028, "ott4/ott2": 0.020, "quality gemma3": 0.019}),
 }
 SMOLLM2_LAYERS = "0-14:2/2,15-24:4/3,25-29:2/2"
-# the compact tier at 1024 tokens, measured 2026-11-30: 0.0238 (ott2 0.0281, q4_0 0.0610); about 40% over
-COMPACT_KLD_BOUND = 0.033
+# the compact tier at 1024 tokens, measured 2026-11-30 with its calibration a layer per block: 0.0200 (ott2 0.0281,
+# q4_0 0.0610; with the blocks of two before it 0.0238); about 40% over
+COMPACT_KLD_BOUND = 0.028
 # the quality tier (docs/tiers.md): symmetric 2-bit values, R 64, the widths `ott-gguf calibrate MODEL --ott-params
 # 128,64,3,32,2,1,1,1 --max-bits 3.2` chose
 QUALITY = {"R": 64, "v_sym": True}
@@ -100,7 +101,7 @@ TIER_RUNS: dict[str, tuple[str, dict[str, object] | None]] = {
     "quality gemma3": ("ott3/ott2", {**QUALITY, "layer_widths": "11:3/3,17:2/2"}),
 }
 # the compact tier (docs/long-context.md): ott2 with symmetric values, 3-bit keys in the layers its calibration chose
-COMPACT_SMOLLM2 = ("ott2", {"v_sym": True, "layer_widths": "8-9:3/2,16-23:3/2"})
+COMPACT_SMOLLM2 = ("ott2", {"v_sym": True, "layer_widths": "5:3/2,7-9:3/2,14-18:3/2,20:3/2,23:3/2"})
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
@@ -131,7 +132,7 @@ def test_tiers_kld_is_bounded_and_below_q4_0(model: str, request: pytest.Fixture
             assert kld[better] < kld["uniform"]
     assert kld[f"quality {model}"] < kld["ott3/ott2"]  # the quality tier's recipe pays on both models
     if model == "smollm2":
-        # the compact tier: below ott2 and q4_0, at 2.77 bits per element at 8k (ott2 2.73, q4_0 4.5)
+        # the compact tier: below ott2 and q4_0, at 2.79 bits per element at 8k (ott2 2.73, q4_0 4.5)
         ott2 = kl_divergence(f16, eval_logits(path, "ott2", toks, first=first)).mean()
         kv, cfg = COMPACT_SMOLLM2
         compact = kl_divergence(f16, eval_logits(path, kv, toks, first=first, ott_config=cfg)).mean()

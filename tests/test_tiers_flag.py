@@ -16,7 +16,7 @@ from helpers import THREADS, run_cli
 # the widths of the calibrations shipped in the package (docs/tiers.md, the quality tier)
 SHIPPED = {"smollm2-135m": "0-2:3/3,3-5:2/2,9-11:2/2,18-23:3/3,27-29:2/2", "gemma3-270m": "11:3/3,17:2/2"}
 # and the compact tier's (ott2 with symmetric values, keys widened where they count at 8k, docs/long-context.md)
-COMPACT = {"smollm2-135m": "8-9:3/2,16-23:3/2", "gemma3-270m": "5:3/2,11:3/2,17:3/2"}
+COMPACT = {"smollm2-135m": "5:3/2,7-9:3/2,14-18:3/2,20:3/2,23:3/2", "gemma3-270m": "5:3/2,11:3/2,17:3/2"}
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_uncalibrated_model_gets_the_recipe_and_says_so(smollm2: Path, tmp_path:
     assert c.ott_config.v_sym and c.ott_config.layer_widths == "" and c.ott_config.R == 32  # uniform 2-bit keys
     assert re.search(r"compact: ott2 --ott-params 128,32,3,32,2,1,2,1, uncalibrated \(no ott2 calibration of "
                      r"copy.gguf found; `ott-gguf calibrate \S+ --kv-type ott2 --ott-params 128,32,3,32,2,1,2,1 --up "
-                     r"3/2 --max-bits 2.8 --blocks 15` makes one\)", c.line)  # fmt: skip
+                     r"3/2 --max-bits 2.8 --blocks 30` makes one\)", c.line)  # fmt: skip
 
 
 def test_calibrate_writes_a_file_the_tier_reads(smollm2: Path, tmp_path: Path, user_cache: Path,
