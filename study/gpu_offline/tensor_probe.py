@@ -30,6 +30,8 @@ import numpy as np
 from ott_gguf import Llama, _lib, models
 from ott_gguf.corpus import docs_text
 
+from .logits_probe import kld_rows
+
 GGML_TYPE_F32 = 0
 NAME = re.compile(r"^(Qcur|Kcur|Vcur|ott_attn|kqv_out|attn_out|ffn_out|l_out)-(\d+)$")
 
@@ -97,14 +99,6 @@ def capture(
     finally:
         llm.close()
     return seen, logits
-
-
-def kld_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    p = p.astype(np.float64) - p.max(1, keepdims=True)
-    q = q.astype(np.float64) - q.max(1, keepdims=True)
-    lp = p - np.log(np.exp(p).sum(1, keepdims=True))
-    lq = q - np.log(np.exp(q).sum(1, keepdims=True))
-    return (np.exp(lp) * (lp - lq)).sum(1)
 
 
 def main(argv: list[str]) -> int:
