@@ -254,6 +254,7 @@ class _KeySealer:
         self.names = {f"Kcur-{il}".encode(): il for il in served}
         self.config: OttConfig | None = None
         self.mix: KeyMix | None = None  # the study option of reference.quantize_keys
+        self.rope: Any = None  # study.pre_rope.Rope: quantize the keys before RoPE (None: after, as the cache)
         self.states: dict[tuple[int, int], HeadState] = {}
         self.error: BaseException | None = None
 
@@ -275,9 +276,12 @@ class _KeySealer:
                 k16 = a[:, h].astype(np.float16)
                 p0 = st.n_pos
                 st.tail_pos = np.arange(p0, p0 + n, dtype=np.int64)
-                st.tail_k, st.tail_v = k16, np.zeros_like(k16)
+                kq = k16 if self.rope is None else self.rope.turn(a[:, h], st.tail_pos, -1).astype(np.float16)
+                st.tail_k, st.tail_v = kq, np.zeros_like(kq)
                 seal_group(st, self.config, self.config.outliers_for_layer(il), self.mix)
                 k_hat = st.groups[-1].k_hat.copy()
+                if self.rope is not None:
+                    k_hat = self.rope.turn(k_hat, np.arange(p0, p0 + n), 1)
                 won = st.groups[-1].placeholders - p0
                 k_hat[won] = k16[won]
                 a[:, h] = k_hat
@@ -288,14 +292,16 @@ class _KeySealer:
             return False
 
 
-Variant = OttConfig | tuple[OttConfig, KeyMix | None] | None
+Variant = OttConfig | tuple[OttConfig, KeyMix | None] | tuple[OttConfig, KeyMix | None, Any] | None
 
 
 def end_to_end(
-    name: str, chunks: int, variants: dict[str, Variant], n_ctx: int = N_CTX, threads: int = 2
+    name: str, chunks: int, variants: dict[str, Variant], n_ctx: int = N_CTX, threads: int = 2, rope: Any = None
 ) -> dict[str, tuple[float, float]]:
     """Part 2: {variant: (mean KLD vs f16, top-1 %)} over `chunks` chunks of n_ctx tokens (second halves).
-    A variant: a configuration, or one with a KeyMix (reference.quantize_keys's study option), None: exact keys."""
+    A variant: a configuration, or one with a KeyMix (reference.quantize_keys's study option) and optionally what
+    turns the keys back before they are quantized (study.pre_rope: True for `rope`, the model's, or a TableTurn),
+    None: exact keys."""
     lc = llama_cpp_module().llama_cpp
     _ggml()  # checks the ggml_tensor layout before any tensor is read
     path = models.fetch(name, quiet=True)
@@ -325,8 +331,12 @@ def end_to_end(
         first = n_ctx // 2
 
         def run(c: int, variant: Variant) -> np.ndarray:
-            config, mix = variant if isinstance(variant, tuple) else (variant, None)
+            config, mix, pre = (*variant, False)[:3] if isinstance(variant, tuple) else (variant, None, False)
+            turn = (rope if pre is True else pre) or None  # pre: False, True (the model's rope) or a turn
+            if turn is None and pre:
+                raise ValueError("a pre-RoPE variant needs the model's rope")
             sealer.config, sealer.mix, sealer.states, sealer.error = config, mix, {}, None
+            sealer.rope = turn
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
             chunk = [toks[0], *toks[c * n_ctx + 1 : (c + 1) * n_ctx]]  # BOS first, as llama-perplexity
             batch.n_tokens = n_ctx
