@@ -162,11 +162,14 @@ MODES = ("post", "pre", "hybrid")
 R_WINDOW = 32  # ott2's fp16 window (the cache-like measure)
 
 
-def attention_errors(npz: Path, n_ctx: int, rope: Rope, min_turn: float = 2.0) -> dict[tuple[str, str, str], float]:
+def attention_errors(
+    npz: Path, n_ctx: int, rope: Rope, min_turn: float = 2.0, bos_exact: bool = True, modes: tuple[str, ...] = MODES
+) -> dict[tuple[str, str, str], float]:
     """{(variant, mode, measure): relative attention error}, mode post/pre/hybrid (quantize_hybrid at min_turn),
     measure "all" (every sealed group's keys quantized for every query) or "cache" (as the cache serves them, the
     newest R_WINDOW tokens and the open group exact), plus (variant, mode, "better") the fraction of (layer, KV
-    head) pairs where the mode beats post-RoPE (cache measure)."""
+    head) pairs where the mode beats post-RoPE (cache measure). bos_exact: position 0's key exact in every mode, as
+    the cache's outlier pool holds it in most heads (False: quantized with its group)."""
     z = _Prefix(np.load(npz), n_ctx)
     swa = {int(x) for x in z["meta_swa_layers"]}
     n_layer, scale = int(z["meta_n_layer"]), float(z["meta_attn_scale"])
@@ -187,10 +190,13 @@ def attention_errors(npz: Path, n_ctx: int, rope: Rope, min_turn: float = 2.0) -
                 hats = {
                     "post": _quantize_keys_with(kh16, config, mix),
                     "pre": quantize_pre(kh16, pos, rope, config, mix),
-                    "hybrid": quantize_hybrid(kh16, rope, config, config.kbits, min_turn),
                 }
+                if "hybrid" in modes:
+                    hats["hybrid"] = quantize_hybrid(kh16, rope, config, config.kbits, min_turn)
                 cache_err = {}
                 for mode, hat in hats.items():
+                    if bos_exact:
+                        hat[0] = kh[0]  # the outlier pool holds BOS in most heads (docs/fidelity.md)
                     for measure, e in (
                         ("all", _attn_err_last(qh, kh, hat, vh, scale, Q_LAST)),
                         ("cache", _attn_err_window(qh, kh, hat, vh, scale, Q_LAST, R_WINDOW)),
@@ -198,7 +204,7 @@ def attention_errors(npz: Path, n_ctx: int, rope: Rope, min_turn: float = 2.0) -
                         tot.setdefault((name, mode, measure), np.zeros(2))
                         tot[(name, mode, measure)] += e
                     cache_err[mode] = e[0] / e[1]
-                for mode in ("pre", "hybrid"):
+                for mode in (m for m in modes if m != "post"):
                     wins[(name, mode)] = wins.get((name, mode), 0) + int(cache_err[mode] < cache_err["post"])
     out = {key: float(e[0] / e[1]) for key, e in tot.items()}
     out.update({(n, m, "better"): w / n_pairs for (n, m), w in wins.items()})
@@ -255,9 +261,11 @@ def run(a: argparse.Namespace) -> str:
                       "|---|---|---|---|"]  # fmt: skip
             parts += [f"| {i} | {th[i]:.3g} | {rr[i]:.3f} | {wrong[i]:.3f} |" for i in sel]
             parts += ["", f"All pairs: pre/post {rr.mean():.3f}, other layout {wrong.mean():.3f}.", ""]
-            res = {n: attention_errors(ev, n, rope) for n in ctxs}
+            modes = MODES if a.hybrid else ("post", "pre")
+            res = {n: attention_errors(ev, n, rope, bos_exact=not a.bos_quantized, modes=modes) for n in ctxs}
+            bos = "position 0 quantized with its group" if a.bos_quantized else "position 0 exact (the pool's BOS)"
             parts += [f"Attention error, keys only (part 1; last {Q_LAST} queries, relative squared error of the "
-                      "attention output, every full-attention layer and KV head). all: every sealed group "
+                      f"attention output, every full-attention layer and KV head; {bos}). all: every sealed group "
                       f"quantized for every query; cache: as the cache serves them (the newest {R_WINDOW} tokens and "
                       "the open group exact). hybrid: no trigonometry, the fast pairs' channels (at least 2 rad per "
                       "group) token-wise. better: (layer, KV head) pairs below post-RoPE (cache measure).", "",
@@ -266,7 +274,7 @@ def run(a: argparse.Namespace) -> str:
             for v in VARIANTS:
                 for n in ctxs:
                     r = res[n]
-                    pc, rc, hc = (r[(v, m, "cache")] for m in MODES)
+                    pc, rc, hc = (r.get((v, m, "cache"), float("nan")) for m in MODES)
                     parts.append(f"| {v} | {n} | {r[(v, 'post', 'all')]:.4f} | {r[(v, 'pre', 'all')]:.4f} | "
                                  f"{pc:.4f} | {rc:.4f} | {rc / pc:.2f}x | {100 * r[(v, 'pre', 'better')]:.0f}% | "
                                  f"{hc:.4f} | {hc / pc:.2f}x |")  # fmt: skip
@@ -292,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-ctx", type=int, default=2048, help="tokens per chunk of part 2")
     ap.add_argument("--captures", type=Path, default=Path.home() / ".cache/ott-gguf/captures")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bos-quantized", action="store_true", help="part 1: position 0 quantized with its group")
+    ap.add_argument("--hybrid", action="store_true", help="part 1: the token-wise layout of the fast pairs too")
     a = ap.parse_args(argv)
     t0 = time.time()
     body = run(a)
