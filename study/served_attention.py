@@ -1,0 +1,323 @@
+"""End to end, a served-keys scheme without kernels: the model's attention replaced by numpy's over keys (and
+values) served the way a cache scheme would serve them, KL divergence against the same harness with exact keys.
+
+    python -m study.served_attention --model smollm2-135m --n-ctx 8192 --chunks 1 --schemes ott2,age4 [--threads 2]
+
+llama.cpp's eval callback (as study.k_widths part 2) records each full-attention layer's Qcur/Kcur/Vcur (after
+RoPE, f16-rounded K and V as the f16 cache holds them) and overwrites its `kqv_out` (the attention output before
+the output projection) with numpy's attention of the ubatch's queries over every position so far, causal, each
+query row seeing:
+- the newest R tokens and the open group exact (a query at p sees n_sealed(p) = (p + 1 - R) // G sealed groups),
+  position 0 exact (the outlier pool holds BOS in most heads; the pools' other tokens are not modelled);
+- sealed groups' keys from the reference's sealing quantizer (quantize_keys: k_mix, clipped ranges), at 3 bits
+  for the newest `age` sealed groups and 2 bits for older ones (the 2-bit codes narrowed from the 3-bit keys when
+  narrowed), values exact or (values=True) token-wise 2-bit rotated as ott2 stores them.
+Sliding-window layers keep llama.cpp's own attention. The base is the same harness with every key exact (not
+llama.cpp's flash attention, whose f16 query rounding would count as error), so the KLD is the scheme's alone.
+Slow: numpy attention over the whole context for every ubatch (minutes per 8k chunk); a study, not a cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ott_gguf import corpus, models
+from ott_gguf._lib import llama_cpp_module
+from ott_gguf.kv_types import OttConfig
+from ott_gguf.reference import quantize_values
+
+from .capture import GgmlTensor, _attn_scale, _ggml, _meta_str, _swa_layers, _tokenize
+from .k_widths import _quantize_keys_with
+
+G = 128
+_F32 = 0
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How sealed keys are served (see the module docstring). exact: nothing quantized (the base)."""
+
+    exact: bool = False
+    R: int = 32
+    age: int = 0
+    narrowed: bool = True
+    values: bool = False
+
+
+SCHEMES = {
+    "exact": Scheme(exact=True),
+    "ott2": Scheme(narrowed=False),
+    "ott2+V": Scheme(narrowed=False, values=True),
+    "age2": Scheme(age=2),
+    "age4": Scheme(age=4),
+    "age4+V": Scheme(age=4, values=True),
+    "R64": Scheme(R=64, narrowed=False),
+}
+
+
+def _contiguous(tt: GgmlTensor) -> bool:
+    return tt.nb[0] == 4 and tt.nb[1] == 4 * tt.ne[0] and tt.nb[2] == tt.nb[1] * tt.ne[1]
+
+
+class _Layer:
+    """One full-attention layer's history: exact K/V (fp16-rounded, float32), and per KV head the sealed groups'
+    served keys at 2 and 3 bits and values, filled as groups complete."""
+
+    def __init__(self, n_kv: int, D: int, cap: int) -> None:
+        self.k = np.zeros((cap, n_kv, D), np.float32)
+        self.v = np.zeros((cap, n_kv, D), np.float32)
+        self.k2 = np.zeros_like(self.k)
+        self.k3 = np.zeros_like(self.k)
+        self.vq = np.zeros_like(self.v)
+        self.n = 0  # positions stored
+        self.n_groups = 0  # groups quantized
+        self.q: np.ndarray | None = None
+        self.pending: dict[str, tuple[np.ndarray, bool]] = {}  # this ubatch's Q/K/V: (array, from a view)
+
+
+class ServedAttention:
+    """cb_eval: records Qcur/Kcur/Vcur of the served layers, rewrites kqv_out."""
+
+    def __init__(self, served: list[int], n_head: int, n_kv: int, D: int, scale: float, cap: int) -> None:
+        self.served = set(served)
+        self.n_head, self.n_kv, self.D, self.scale, self.cap = n_head, n_kv, D, scale, cap
+        self.names = {f"{x}-{il}".encode(): (x, il) for il in served for x in ("Qcur", "Kcur", "Vcur", "kqv_out")}
+        self.scheme: Scheme | None = Scheme(exact=True)
+        self.layers: dict[int, _Layer] = {}
+        self.compare_only = False
+        self.diffs: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self.c2 = OttConfig(k_bits=2, outlier_num=0)
+        self.c3 = OttConfig(k_bits=3, outlier_num=0)
+        self.cv = OttConfig(bits=2)
+
+    def reset(self, scheme: Scheme | None) -> None:
+        """scheme None: llama.cpp's own attention, untouched (the harness's check)."""
+        self.scheme, self.layers, self.error = scheme, {}, None
+
+    def __call__(self, t: int, ask: bool, _user_data: Any) -> bool:
+        try:
+            tt = GgmlTensor.from_address(t)
+            hit = self.names.get(tt.name)
+            if hit is None or tt.type != _F32 or self.scheme is None:
+                return not ask
+            x, il = hit
+            heads = self.n_head if x in ("Qcur", "kqv_out") else self.n_kv
+            shape = (self.D * heads, int(tt.ne[1])) if x == "kqv_out" else (self.D, heads)
+            if (int(tt.ne[0]), int(tt.ne[1])) != shape or not _contiguous(tt):
+                return not ask  # another node of that name (the 2-d projection before its reshape)
+            if ask:
+                return True
+            lay = self.layers.setdefault(il, _Layer(self.n_kv, self.D, self.cap))
+            if x == "kqv_out":
+                q, k, v = (lay.pending.pop(y, (None, False))[0] for y in ("Qcur", "Kcur", "Vcur"))
+                if q is None or k is None or v is None:
+                    raise RuntimeError(f"layer {il}: kqv_out before this ubatch's Q, K and V")
+                n = len(k)
+                lay.k[lay.n : lay.n + n] = k.astype(np.float16).astype(np.float32)
+                lay.v[lay.n : lay.n + n] = v.astype(np.float16).astype(np.float32)
+                lay.n += n
+                lay.q = q
+                self._seal(lay)
+                self._attend(lay, tt)
+                return True
+            n = int(tt.ne[2])
+            a = np.ctypeslib.as_array((ctypes.c_float * (self.D * heads * n)).from_address(tt.data))
+            # the same name marks a reshape (a view) and then the op after it (RoPE): the later node wins, but a
+            # view never replaces a computed tensor (study.capture's rule)
+            if not (tt.view_src and x in lay.pending and not lay.pending[x][1]):
+                lay.pending[x] = (a.reshape(n, heads, self.D).copy(), bool(tt.view_src))
+            return True
+        except BaseException as e:  # noqa: BLE001 - reported after llama_decode returns
+            self.error = e
+            return False
+
+    def _seal(self, lay: _Layer) -> None:
+        """Quantize every group completed since the last call (the served widths are chosen per query)."""
+        assert self.scheme is not None
+        while not self.scheme.exact and (lay.n_groups + 1) * G <= lay.n:
+            g0, g1 = lay.n_groups * G, (lay.n_groups + 1) * G
+            sc = self.scheme
+            for h in range(self.n_kv):  # only what the scheme serves (the reference's quantizers are slow)
+                k16 = lay.k[g0:g1, h].astype(np.float16)
+                if sc.age or sc.narrowed:
+                    lay.k3[g0:g1, h] = _quantize_keys_with(k16, self.c3, None)
+                src = lay.k3[g0:g1, h].astype(np.float16) if sc.narrowed else k16
+                lay.k2[g0:g1, h] = _quantize_keys_with(src, self.c2, None)
+                if sc.values:
+                    lay.vq[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv)[3]
+            lay.n_groups += 1
+
+    def _attend(self, lay: _Layer, tt: GgmlTensor) -> None:
+        q = lay.q
+        assert q is not None
+        n = q.shape[0]
+        assert int(tt.ne[1]) == n, (tt.ne[1], n)
+        p1 = lay.n  # positions so far, this ubatch's included
+        qp = np.arange(p1 - n, p1)
+        sc = self.scheme
+        assert sc is not None
+        cols = np.arange(p1)[None, :]
+        future = cols > qp[:, None]
+        n_sealed = np.maximum(0, (qp + 1 - sc.R) // G)
+        sealed = (cols < (n_sealed * G)[:, None]) & (cols > 0) & (not sc.exact)
+        young = cols >= (np.maximum(0, n_sealed - sc.age) * G)[:, None]
+        rep = self.n_head // self.n_kv
+        out = np.empty((n, self.n_head, self.D), np.float32)
+        for h in range(self.n_kv):
+            kx, vx = lay.k[:p1, h], lay.v[:p1, h]
+            for r in range(rep):
+                qh = q[:, h * rep + r].astype(np.float16).astype(np.float32)  # as llama.cpp rounds Q for f16 K
+                s = qh @ kx.T * self.scale
+                if not sc.exact:
+                    s2 = qh @ lay.k2[:p1, h].T * self.scale
+                    s3 = qh @ lay.k3[:p1, h].T * self.scale if sc.age else s2
+                    s = np.where(sealed, np.where(young, s3, s2), s)
+                s = np.where(future, -np.inf, s)
+                p = np.exp(s - s.max(1, keepdims=True))
+                p /= p.sum(1, keepdims=True)
+                if sc.values and not sc.exact:
+                    o = (p * sealed) @ lay.vq[:p1, h] + (p * ~sealed) @ vx
+                else:
+                    o = p @ vx
+                out[:, h * rep + r] = o
+        dst = np.ctypeslib.as_array((ctypes.c_float * (self.D * self.n_head * n)).from_address(tt.data))
+        if self.compare_only:  # the harness's check: numpy's exact attention against llama.cpp's, not written
+            self.diffs.append((float(np.sum((dst - out.reshape(-1)) ** 2)), float(np.sum(dst.astype(np.float64) ** 2))))
+            return
+        dst[:] = out.reshape(-1)
+
+
+def measure(
+    name: str,
+    n_ctx: int,
+    chunks: int,
+    schemes: list[str],
+    threads: int,
+    fa: bool = True,
+    check: bool = False,
+    own: bool = True,
+) -> dict[str, tuple[float, float]]:
+    """{scheme: (mean KLD vs the exact scheme, top-1 %)} over the second halves of `chunks` chunks of n_ctx.
+    check: first one pass that computes numpy's exact attention beside llama.cpp's without writing it, and prints
+    their relative squared difference per layer and ubatch. own: also llama.cpp's own attention as a row (the
+    floor of the comparison: fp16 rounding in llama.cpp's kernels)."""
+    lc = llama_cpp_module().llama_cpp
+    _ggml()
+    path = models.fetch(name, quiet=True)
+    lc.llama_backend_init()
+    llm = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    if not llm:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    ctx = batch = None
+    try:
+        n_layer, n_kv, n_head = (lc.llama_model_n_layer(llm), lc.llama_model_n_head_kv(llm),
+                                 lc.llama_model_n_head(llm))  # fmt: skip
+        n_embd = lc.llama_model_n_embd(llm)
+        arch = "gemma3" if "gemma" in name else "llama"
+        D = int(_meta_str(lc, llm, f"{arch}.attention.key_length") or n_embd // n_head)
+        swa, _ = _swa_layers(lc, llm, arch, n_layer, max(0, lc.llama_model_n_swa(llm)))
+        served = [il for il in range(n_layer) if il not in set(swa)]
+        scale = _attn_scale(lc, llm, arch, n_layer, n_embd, n_head, D)
+        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm))
+        toks = _tokenize(lc, llm, corpus.docs_text(), n_ctx * chunks, True)
+        hook = ServedAttention(served, n_head, n_kv, D, scale, n_ctx)
+        cb = lc.ggml_backend_sched_eval_callback(hook)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = n_ctx
+        cp.n_ubatch, cp.n_seq_max = 512, 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k = cp.type_v = 1  # f16
+        cp.cb_eval, cp.cb_eval_user_data = cb, None
+        ctx = lc.llama_init_from_model(llm, cp)
+        batch = lc.llama_batch_init(n_ctx, 0, 1)
+        first = n_ctx // 2
+
+        def run(c: int, scheme: Scheme | None, compare: bool = False) -> np.ndarray:
+            hook.reset(scheme)
+            hook.compare_only, hook.diffs = compare, []
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            chunk = [toks[0], *toks[c * n_ctx + 1 : (c + 1) * n_ctx]]  # BOS first, as llama-perplexity
+            batch.n_tokens = n_ctx
+            for i, tok in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = tok, i, 1, 0
+                batch.logits[i] = first - 1 <= i < n_ctx - 1
+            rc = lc.llama_decode(ctx, batch)
+            if hook.error is not None:
+                raise RuntimeError("eval callback failed") from hook.error
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            if scheme is not None and (any(lay.n != n_ctx for lay in hook.layers.values())
+                                       or len(hook.layers) != len(served)):  # fmt: skip
+                raise RuntimeError("the callback did not see every served layer's tokens")
+            lg = np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(n_ctx - first, vocab)).astype(np.float64)
+            lg -= lg.max(1, keepdims=True)
+            return lg - np.log(np.exp(lg).sum(1, keepdims=True))
+
+        got: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in schemes}
+        if check:
+            run(0, SCHEMES["exact"], compare=True)
+            rel = np.array([e / n for e, n in hook.diffs])
+            print(f"{name} check: numpy's exact attention against llama.cpp's over {len(rel)} (layer, ubatch) "
+                  f"outputs: relative squared difference median {np.median(rel):.2e}, max {rel.max():.2e}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        for c in range(chunks):
+            t0 = time.time()
+            base = run(c, SCHEMES["exact"])
+            if own:  # numpy's exact attention against llama.cpp's own, through the model
+                lo = run(c, None)
+                got.setdefault("llama.cpp's own attention (check)", []).append(
+                    ((np.exp(base) * (base - lo)).sum(1), base.argmax(1) == lo.argmax(1))
+                )
+            print(f"{name} chunk {c} exact: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            for s in schemes:
+                t0 = time.time()
+                lp = run(c, SCHEMES[s])
+                got[s].append(((np.exp(base) * (base - lp)).sum(1), base.argmax(1) == lp.argmax(1)))
+                print(f"{name} chunk {c} {s}: KLD {got[s][-1][0].mean():.5f} ({time.time() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        out = {}
+        for s, rs in got.items():
+            kld, top = np.concatenate([r[0] for r in rs]), np.concatenate([r[1] for r in rs])
+            out[s] = (float(kld.mean()), 100 * float(top.mean()))
+        return out
+    finally:
+        if batch is not None:
+            lc.llama_batch_free(batch)
+        if ctx:
+            lc.llama_free(ctx)
+        lc.llama_model_free(llm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n-ctx", type=int, default=8192)
+    ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--schemes", default="ott2,age4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-fa", action="store_true", help="llama.cpp's attention without flash attention")
+    ap.add_argument("--check", action="store_true", help="first compare numpy's exact attention with llama.cpp's")
+    a = ap.parse_args(argv)
+    schemes = [s for s in a.schemes.split(",") if s]
+    if bad := [s for s in schemes if s not in SCHEMES]:
+        ap.error(f"unknown schemes {bad}; known: {', '.join(SCHEMES)}")
+    t0 = time.time()
+    res = measure(a.model, a.n_ctx, a.chunks, schemes, a.threads, not a.no_fa, a.check)
+    print(f"## {a.model}, {a.chunks} chunk(s) of {a.n_ctx} tokens ({time.time() - t0:.0f} s)\n")
+    print("| scheme | mean KLD vs exact keys | top-1 % |\n|---|---|---|")
+    for s, (k, t) in res.items():
+        print(f"| {s} {SCHEMES[s] if s in SCHEMES else ''} | {k:.5f} | {t:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
