@@ -292,16 +292,15 @@ class _KeySealer:
             return False
 
 
-Variant = OttConfig | tuple[OttConfig, KeyMix | None] | tuple[OttConfig, KeyMix | None, Any] | None
+Variant = OttConfig | tuple[OttConfig, KeyMix | None] | tuple[OttConfig, KeyMix | None, bool] | None
 
 
 def end_to_end(
     name: str, chunks: int, variants: dict[str, Variant], n_ctx: int = N_CTX, threads: int = 2, rope: Any = None
 ) -> dict[str, tuple[float, float]]:
     """Part 2: {variant: (mean KLD vs f16, top-1 %)} over `chunks` chunks of n_ctx tokens (second halves).
-    A variant: a configuration, or one with a KeyMix (reference.quantize_keys's study option) and optionally what
-    turns the keys back before they are quantized (study.pre_rope: True for `rope`, the model's, or a TableTurn),
-    None: exact keys."""
+    A variant: a configuration, or one with a KeyMix (reference.quantize_keys's study option) and optionally a flag
+    that quantizes the keys before RoPE (study.pre_rope; `rope` is the model's), None: exact keys."""
     lc = llama_cpp_module().llama_cpp
     _ggml()  # checks the ggml_tensor layout before any tensor is read
     path = models.fetch(name, quiet=True)
@@ -332,11 +331,10 @@ def end_to_end(
 
         def run(c: int, variant: Variant) -> np.ndarray:
             config, mix, pre = (*variant, False)[:3] if isinstance(variant, tuple) else (variant, None, False)
-            turn = (rope if pre is True else pre) or None  # pre: False, True (the model's rope) or a turn
-            if turn is None and pre:
+            if pre and rope is None:
                 raise ValueError("a pre-RoPE variant needs the model's rope")
             sealer.config, sealer.mix, sealer.states, sealer.error = config, mix, {}, None
-            sealer.rope = turn
+            sealer.rope = rope if pre else None
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
             chunk = [toks[0], *toks[c * n_ctx + 1 : (c + 1) * n_ctx]]  # BOS first, as llama-perplexity
             batch.n_tokens = n_ctx

@@ -117,9 +117,8 @@ def quantize_hybrid(k16: np.ndarray, rope: Rope, config: OttConfig, bits: int, m
     fast_pairs = np.flatnonzero(rope.theta() * G >= min_turn)
     fast = np.sort(np.concatenate([i0[fast_pairs], i1[fast_pairs]]))
     slow = np.setdiff1d(np.arange(k16.shape[1]), fast)
-    out = _quantize_keys_with(k16, config, None).copy()
-    if len(slow) < k16.shape[1]:
-        out[:, slow] = _quantize_keys_with(np.ascontiguousarray(k16[:, slow]), config, None)
+    out = np.empty((len(k16) - len(k16) % config.G, k16.shape[1]), np.float32)
+    out[:, slow] = _quantize_keys_with(np.ascontiguousarray(k16[:, slow]), config, None)
     x = k16[: len(out), fast].astype(np.float32)
     lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
     nlev = 2**bits - 1
@@ -230,14 +229,14 @@ def range_ratios(npz: Path, n_ctx: int, rope: Rope) -> np.ndarray:
     return num / den
 
 
-def e2e_variants(rope: Rope) -> dict[str, tuple[OttConfig, KeyMix | None, object] | None]:
-    return {
-        "unquantized keys (check: 0)": None,
-        "ott2 keys, post-RoPE (today)": (OttConfig(k_bits=2), None, False),
-        "ott2 keys, pre-RoPE": (OttConfig(k_bits=2), None, True),
-        "ott3 keys, post-RoPE (today)": (OttConfig(k_bits=3), None, False),
-        "ott3 keys, pre-RoPE": (OttConfig(k_bits=3), None, True),
-    }
+# part 2's variants: (config, key mix, quantized before RoPE)
+E2E: dict[str, tuple[OttConfig, KeyMix | None, bool] | None] = {
+    "unquantized keys (check: 0)": None,
+    "ott2 keys, post-RoPE (today)": (OttConfig(k_bits=2), None, False),
+    "ott2 keys, pre-RoPE": (OttConfig(k_bits=2), None, True),
+    "ott3 keys, post-RoPE (today)": (OttConfig(k_bits=3), None, False),
+    "ott3 keys, pre-RoPE": (OttConfig(k_bits=3), None, True),
+}
 
 
 def run(a: argparse.Namespace) -> str:
@@ -282,7 +281,7 @@ def run(a: argparse.Namespace) -> str:
             print("\n".join(parts), flush=True)
         if a.chunks:
             t0 = time.time()
-            e2e = end_to_end(name, a.chunks, e2e_variants(rope), a.e2e_ctx, a.threads, rope=rope)  # type: ignore[arg-type]
+            e2e = end_to_end(name, a.chunks, dict(E2E), a.e2e_ctx, a.threads, rope=rope)
             parts += [f"End to end, keys only, pessimistic (part 2; {a.chunks} chunk(s) of {a.e2e_ctx} tokens, "
                       f"{time.time() - t0:.0f} s):", "", "| keys | mean KLD | top-1 % |", "|---|---|---|"]  # fmt: skip
             parts += [f"| {v} | {k:.5f} | {t:.2f} |" for v, (k, t) in e2e.items()]
