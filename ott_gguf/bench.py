@@ -52,7 +52,7 @@ class BenchRow:
 
 def ott_args(cfg: OttConfig) -> list[str]:
     """An ott cache's configuration as the bundled tools take it: --ott-params (and --ott-layers)."""
-    out = ["--ott-params", ",".join(str(x) for x in cfg.native())]
+    out = ["--ott-params", cfg.params_text()]
     return out + (["--ott-layers", cfg.layer_widths] if cfg.layer_widths else [])
 
 

@@ -334,7 +334,7 @@ def calibrate(
         raise ValueError("calibration chooses layer_widths itself: give an ott_config without them")
     # the configuration's native fields (R, v_sym, ...) go to llama-perplexity and to the byte counts alike
     native = {f: getattr(ott_config, f) for f in OttConfig.NATIVE_FIELDS} if ott_config else None
-    params = ["--ott-params", ",".join(str(x) for x in ott_config.native())] if ott_config else []
+    params = ["--ott-params", ott_config.params_text()] if ott_config else []
     from .info import model_info
 
     # bits per element need one KV head count for every layer (cache_bits)
@@ -436,7 +436,7 @@ def calibrate(
         if bits_known
         else None
     )
-    params_text = ",".join(str(x) for x in (ott_config or OttConfig()).native())
+    params_text = (ott_config or OttConfig()).params_text()
     return Calibration(str(model), kv_type, base, w_up, w_down, blocks, base_kld, plan, spec, measured, budget,
                        max_bits, bits, commands, params_text, chunks, n_ctx, time.monotonic() - start)  # fmt: skip
 

@@ -29,6 +29,8 @@ _BITS = (2, 3, 4)
 K_MIX_WIDTHS: dict[int, tuple[int, ...]] = {0: (), 1: (3,), 2: (2, 3)}
 K_MIX_DEFAULT = 2  # docs/long-context-keys.md: the measurement that made 2 the default
 V_SYM_BITS = 2  # v_sym stores 2-bit values in symmetric blocks
+K_YOUNG_BITS = 2  # k_young applies to layers with 2-bit keys (their young keys: 3 bits)
+K_YOUNG_MAX = 16  # sealed groups (native llama_ott_config_check's bound)
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
 
@@ -63,6 +65,12 @@ class OttConfig:
     docstring): 0.25 bits per value less at about 5% more value error, since rotated values are centred
     (docs/v-blocks.md). Needs v_rotate; layers with wider values are unaffected.
 
+    k_young: keys by age (docs/long-context.md "Keys by age"): in layers with 2-bit keys, the newest k_young
+    sealed groups also hold their keys at 3 bits (k_mix 2/3/4 when k_mix is on), quantized from the same fp16 keys
+    when the group is sealed, and attention reads those groups' keys at 3 bits; older groups are read at 2 bits.
+    Costs k_young 3-bit K groups per (layer, sequence, KV head); 0 (the default) is off. The native cache runs it
+    on the CPU only so far.
+
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
     adjacent equal layers merged), so two configurations that give every layer the same widths compare equal.
@@ -85,6 +93,7 @@ class OttConfig:
     layer_widths: str = ""
     k_mix: bool | int = K_MIX_DEFAULT  # 0/False, 1/True or 2: K_MIX_WIDTHS
     v_sym: bool = False
+    k_young: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -127,6 +136,8 @@ class OttConfig:
             raise ValueError(f"ott_config.v_sym needs Gv in 32, 64, 128 or 256, got {self.Gv}")
         if self.k_mix and self.k_rotate:
             raise ValueError("ott_config.k_mix and k_rotate exclude each other (k_mix ranks the unrotated channels)")
+        if self.k_young > K_YOUNG_MAX:
+            raise ValueError(f"ott_config.k_young must be in [0, {K_YOUNG_MAX}] (sealed groups), got {self.k_young}")
         if self.mean not in ("non_outlier", "all"):
             raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
 
@@ -142,7 +153,7 @@ class OttConfig:
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
     # (all int32 there: v_rotate and v_sym are 0 or 1, k_mix 0, 1 or 2)
-    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym")
+    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym", "k_young")
 
     @classmethod
     def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
@@ -185,6 +196,18 @@ class OttConfig:
     def native(self) -> tuple[int, ...]:
         """The values of NATIVE_FIELDS, as the C struct's int32 fields (v_rotate, v_sym: 0 or 1; k_mix: 0, 1 or 2)."""
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
+
+    def params_text(self) -> str:
+        """The native fields as llama.cpp's tools of this build take them (--ott-params); k_young only when set,
+        so a configuration without it reads as it always did."""
+        values = self.native()
+        return ",".join(str(x) for x in (values if self.k_young else values[:-1]))
+
+    def young_for_layer(self, layer: int | None = None) -> int:
+        """Keys by age: how many of the newest sealed groups of this layer also hold their keys at 3 bits
+        (k_young on layers with 2-bit keys, else 0)."""
+        kbits = self.kbits if layer is None else self.widths_for_layer(layer)[0]
+        return self.k_young if kbits == K_YOUNG_BITS else 0
 
     def widths_for_layer(self, layer: int) -> tuple[int, int]:
         """(K bits, V bits) of a layer: its layer_widths item, else the configuration's widths."""

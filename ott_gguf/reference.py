@@ -89,6 +89,17 @@ class Pool:
 
 
 @dataclass
+class YoungKeys:
+    """A sealed group's keys held a second time at the next wider format (keys by age, config.k_young)."""
+
+    k_codes: np.ndarray  # (D, G) uint8
+    k_scale: np.ndarray  # (D,) float16
+    k_min: np.ndarray  # (D,) float16
+    k_hat: np.ndarray  # (G, D) float32
+    k_widths: np.ndarray | None = None
+
+
+@dataclass
 class SealedGroup:
     """Group `index`, positions [index*G, (index+1)*G), as stored after sealing."""
 
@@ -107,6 +118,9 @@ class SealedGroup:
     k_rotated: bool = False
     # (D,) uint8 code width of each key channel (config.k_mixed: key_widths), None: every channel at config.kbits
     k_widths: np.ndarray | None = None
+    # keys by age (config.k_young): the same keys at 3 bits while the group is among the newest k_young sealed
+    # groups (None once it is older, or without k_young); attention reads them in place of k_codes
+    young: YoungKeys | None = None
 
     @property
     def v_rotated(self) -> np.ndarray:
@@ -165,7 +179,7 @@ class HeadState:
         k = np.empty((self.n_pos, self.head_dim), np.float32)
         v = np.empty((self.n_pos, self.head_dim), np.float32)
         for g in self.groups:
-            k[g.index * self.G : (g.index + 1) * self.G] = g.k_hat
+            k[g.index * self.G : (g.index + 1) * self.G] = g.k_hat if g.young is None else g.young.k_hat
             v[g.index * self.G : (g.index + 1) * self.G] = g.v_hat
         pooled = self.pooled()
         k[pooled.pos] = pooled.k  # cover
@@ -481,6 +495,14 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
 
     # 5. quantize and drop the group from the tail
     k_codes, k_scale, k_min, k_hat, k_rotated, k_widths = quantize_keys(gk, config, key_mix)
+    young = None
+    n_young = config.young_for_layer()
+    if n_young and key_mix is None:
+        # keys by age: the same keys (placeholders written) at 3 bits; the group that ages out drops its copy
+        ycodes, yscale, ymin, yhat, _, ywidths = quantize_keys(gk, config.replace(k_bits=config.kbits + 1))
+        young = YoungKeys(k_codes=ycodes, k_scale=yscale, k_min=ymin, k_hat=yhat, k_widths=ywidths)
+        if len(state.groups) >= n_young:
+            state.groups[len(state.groups) - n_young].young = None
     v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(
@@ -496,6 +518,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
             v_hat=v_hat,
             k_rotated=k_rotated,
             k_widths=k_widths,
+            young=young,
         )
     )
     state.tail_pos = state.tail_pos[G:]
@@ -586,13 +609,14 @@ def attend(
     if int8_query:
         pooled = set(state.pooled().pos.tolist())
         for g in state.groups:
-            d = g.k_scale.astype(np.float32)
+            keys = g if g.young is None else g.young  # keys by age: a young group's codes are its 3-bit ones
+            d = keys.k_scale.astype(np.float32)
             qd = q * d[None, :]
             amax = np.abs(qd).max(axis=1)
             ia = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
             qi = np.rint(qd * ia[:, None]).astype(np.int64)
-            isum = qi @ g.k_codes.astype(np.int64)  # (n, G), exact
-            base = q @ g.k_min.astype(np.float32)
+            isum = qi @ keys.k_codes.astype(np.int64)  # (n, G), exact
+            base = q @ keys.k_min.astype(np.float32)
             sg = base[:, None] * scale + (amax / np.float32(127.0) * scale)[:, None] * isum.astype(np.float32)
             cols = [j for j in range(state.G) if g.index * state.G + j not in pooled]
             s[:, [g.index * state.G + j for j in cols]] = sg[:, cols]
@@ -811,12 +835,23 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
         "codes": t_q * D * (kbits + vbits),
         "k_scale_min": 32 * D * t_q / config.G,
         "k_widths": 2 * D * t_q / config.G if mixed else 0,  # 2 bits per channel and group
+        # keys by age: k_young groups' keys again at 3 bits (as allocated: the ring is there from the start)
+        "k_young": _young_bits(lc, D),
         "v_scale_min": (16 if lc.v_symmetric else 32) * t_q * D / config.Gv,  # v_sym: a scale, no min
         "tail": 2 * 16 * D * t_tail,
         "pools": 2 * 16 * D * slots,
         "pool_positions": 32 * slots,
         "pool_scores": 32 * slots,
     }
+
+
+def _young_bits(lc: OttConfig, D: int) -> float:
+    """Bits of a layer's ring of young keys (config.k_young groups of D channels at kbits + 1; 0 without)."""
+    n = lc.young_for_layer()
+    if not n:
+        return 0
+    yc = lc.replace(k_bits=lc.kbits + 1)
+    return n * (D * yc.kbits * lc.G + 32 * D + (2 * D if yc.k_mixed else 0))
 
 
 def effective_bits(config: OttConfig, head_dim: int, n_tokens: int, n_layer: int | None = None) -> float:

@@ -61,7 +61,7 @@ def server_command(
     if ott and (ott_config is not None or "--ott-params" not in extra):
         # G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS,V_ROTATE: Python's defaults, not the C ones, when none is given
         cfg = ott_config or OttConfig()
-        cmd += ["--ott-params", ",".join(str(x) for x in cfg.native())]
+        cmd += ["--ott-params", cfg.params_text()]
         if cfg.layer_widths:
             cmd += ["--ott-layers", cfg.layer_widths]
     if ott and not {"-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"} & set(extra):

@@ -1276,3 +1276,42 @@ def test_config_and_input_validation() -> None:
         cache.process_ubatch(0, 0, None, z, z, [3, 4])  # a gap
     with pytest.raises(ValueError):
         cache.process_ubatch(0, 0, np.zeros((2, 3, 64), np.float32), z, z, [2, 3])  # 3 query heads for 2 KV heads
+
+
+# --- keys by age (k_young) -----------------------------------------------------------------------------------------
+
+
+def test_keys_by_age_hold_the_newest_groups_keys_at_3_bits() -> None:
+    """k_young 2 on 2-bit keys: after 5 seals the two newest groups carry their keys again at 3 bits, exactly as the
+    3-bit-key cache quantizes them (same outlier choice, same placeholders), and attention is served those; the
+    older groups are ott2's. Layers with wider keys hold none, and the bytes count the ring of 2 groups."""
+    rng = np.random.default_rng(11)
+    D, H, G, R = 64, 2, 128, 32
+    n = R + 5 * G
+    k = (rng.standard_normal((n, H, D)) * rng.uniform(0.2, 4.0, D)).astype(np.float32)
+    v = rng.standard_normal((n, H, D)).astype(np.float32)
+    caches = {name: OttCache(cfg, 1, H, D) for name, cfg in
+              (("young", OttConfig(k_young=2)), ("ott2", OttConfig()), ("3/2", OttConfig(k_bits=3)))}  # fmt: skip
+    for c in caches.values():
+        for a, b in ubatch_splits(0, n, c.config, 256):
+            c.process_ubatch(0, 0, None, k[a:b], v[a:b], np.arange(a, b))
+    for h in range(H):
+        young, two, three = (caches[name].state(0, 0, h) for name in ("young", "ott2", "3/2"))
+        assert young.n_sealed == 5
+        assert [g.index for g in young.groups if g.young is not None] == [3, 4]
+        _, k_served, _ = young.served()
+        _, k_two, _ = two.served()
+        _, k_three, _ = three.served()
+        for g, g2, g3 in zip(young.groups, two.groups, three.groups, strict=True):
+            np.testing.assert_array_equal(g.k_codes, g2.k_codes)  # the 2-bit codes are ott2's
+            rows = slice(g.index * G, (g.index + 1) * G)
+            if g.young is None:
+                np.testing.assert_array_equal(k_served[rows], k_two[rows])
+            else:
+                np.testing.assert_array_equal(g.young.k_codes, g3.k_codes)
+                np.testing.assert_array_equal(g.young.k_widths, g3.k_widths)
+                np.testing.assert_array_equal(k_served[rows], k_three[rows])
+    # the ring is allocated from the start: 2 groups of 3-bit mixed keys (codes, scale and min, widths)
+    assert memory_bits(OttConfig(k_young=2), D, n)["k_young"] == 2 * (D * 3 * G + 32 * D + 2 * D)
+    assert memory_bits(OttConfig(k_young=2, k_bits=3), D, n)["k_young"] == 0
+    assert effective_bits(OttConfig(k_young=2), D, n) > effective_bits(OttConfig(), D, n)

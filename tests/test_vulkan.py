@@ -254,3 +254,26 @@ def test_a_device_that_cannot_run_the_seal_refuses_the_cache_and_gives_its_memor
     # measured with the buffers freed: 147.0 MiB after each refusal
     assert out["rss"][-1] - out["rss"][0] < 50, out["rss"]
     assert out["answer"] == " Paris", out
+
+
+YOUNG_SCRIPT = """
+import sys
+from ott_gguf import Llama
+try:
+    Llama(sys.argv[1], kv_type="ott2", n_gpu_layers=-1, n_ctx=512, ott_config={"k_young": 4}, verbose=False)
+    print("made")
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+@needs_vulkan
+def test_keys_by_age_refuse_a_cache_on_vulkan0_by_name(smollm2: Path, vk_env: dict[str, str]) -> None:
+    """Young keys (k_young) have CPU kernels only: a cache offloaded to Vulkan0 with them is refused, naming the
+    layer, the device and k_young, rather than running their ops elsewhere."""
+    r = subprocess.run([sys.executable, "-c", YOUNG_SCRIPT, str(smollm2)], capture_output=True, text=True,
+                       timeout=600, env=vk_env)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = r.stdout.strip().splitlines()[-1]
+    assert out.startswith("refused:") and "layer 0 keeps its cache on Vulkan0" in out, out
+    assert "k_young=4" in out and "-nkvo" in out, out

@@ -47,6 +47,20 @@ struct ott_views {
     }
 };
 
+// keys by age (ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT): the kernels of the young groups' keys (kbits + 1, the layer's V
+// format) and where (stream s, head h)'s ring of A young K groups starts, past the NG group slots; nullptr when A = 0
+static const ott_head_kernels * ott_young_kernels(const ggml_ott_params & p, const ggml_tensor * sk) {
+    const int32_t A = ggml_ott_k_young(&p);
+    if (A == 0) {
+        return nullptr;
+    }
+    const ott_head_kernels * hy = ott_head_find(p.kbits + 1, p.vbits, (p.flags & GGML_OTT_K_YOUNG_MIX) != 0,
+                                                (p.flags & GGML_OTT_V_SYM) != 0);
+    GGML_ASSERT(hy && (uint32_t) hy->G == (uint32_t) p.G && hy->Gv == p.Gv);
+    GGML_ASSERT((size_t) A*ott_head_kbytes(hy, p.D) <= (size_t) (sk->ne[1] - p.NG)*sk->nb[1]);
+    return hy;
+}
+
 ott_views views_of(const ggml_tensor * dst, const ggml_ott_params & p) {
     ott_views v{ p, dst->src[1], dst->src[2], dst->src[3], dst->src[4], dst->src[5], dst->src[6], dst->src[7],
                  dst->src[8], 0, 0 };
@@ -78,6 +92,9 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
     const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
+    const int32_t A = ggml_ott_k_young(&p);
+    const ott_head_kernels * hy = ott_young_kernels(p, v.sk);
+    const size_t ykbytes = hy ? ott_head_kbytes(hy, D) : 0;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
     thread_local std::vector<float> scratch, qb, acc, M, L;
     thread_local std::vector<int32_t> qpos, cj;
@@ -182,9 +199,12 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
                         cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
                     }
                 }
-                hk->attn_group((int) D, (int) nr, qb.data(), p.scale, gk + g*kbytes, gv + g*vbytes, (int) cj.size(),
-                               cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0), M.data(),
-                               L.data(), acc.data(), scratch.data());
+                // keys by age: the newest A groups' keys from the young ring, at the wider format
+                const bool young = hy && g >= n_sealed - A;
+                (young ? hy : hk)->attn_group((int) D, (int) nr, qb.data(), p.scale,
+                               young ? gk + p.NG*kbytes + (g % A)*ykbytes : gk + g*kbytes, gv + g*vbytes,
+                               (int) cj.size(), cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0),
+                               M.data(), L.data(), acc.data(), scratch.data());
             }
         } else {
             // the fp16 tail this chunk sees: ring positions [n_sealed*G, n_pos), then ubatch tokens [0, t1), in
@@ -285,6 +305,9 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
     GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
     const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
+    const int32_t A = ggml_ott_k_young(&p);
+    const ott_head_kernels * hy = ott_young_kernels(p, v.sk);
+    const size_t ykbytes = hy ? ott_head_kbytes(hy, D) : 0;
     std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
     for (int64_t u = ith; u < v.ns*p.H; u += nth) {
         const int64_t si = u / p.H;
@@ -311,6 +334,10 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
                      slots, pool, pool + (size_t) p.S*D, &n_pool,
                      slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
                      ((p.flags & GGML_OTT_V_ROTATE) != 0), v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
+            if (hy) {
+                // keys by age: the same keys (placeholders written) at the wider format, into the young ring
+                hy->quant_k((int) D, gk.data(), v.sealed(v.sk, s, h) + p.NG*kbytes + (g % A)*ykbytes);
+            }
             meta[2*p.S] = n_pool;
             meta[2*p.S + 1] = n_aux;
             meta[2*p.S + 2] = tracing;

@@ -35,6 +35,10 @@ bool ggml_cuda_ott_supports_op(const ggml_tensor * op) {
     if (op->op == GGML_OP_OTT_ATTN && op->src[1] && !ott_cu_on_device(op->src[0]->src[3], -1)) {
         return false;
     }
+    // keys by age (k_young) have CPU kernels only: the cache refuses to offload such a state (llama-kv-cache-ott.cpp)
+    if (op->op != GGML_OP_OTT_ATTN && ggml_ott_k_young(ggml_ott_get_params(op)) != 0) {
+        return false;
+    }
     return ott_cu_ops_of(op) != nullptr;
 }
 

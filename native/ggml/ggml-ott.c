@@ -9,7 +9,8 @@ static void ott_check_state(const struct ggml_tensor * ring, const struct ggml_t
         const struct ggml_ott_params * p) {
     GGML_ASSERT(ring->type == GGML_TYPE_F16 && ring->ne[0] == p->D && ring->ne[1] == p->H && ring->ne[2] == p->T &&
                 ring->ne[3] == 2*p->n_stream);
-    GGML_ASSERT(sk->type == GGML_TYPE_I8 && sk->ne[1] == p->NG && sk->ne[2] == p->H && sk->ne[3] == p->n_stream);
+    GGML_ASSERT(sk->type == GGML_TYPE_I8 && (ggml_ott_k_young(p) ? sk->ne[1] > p->NG : sk->ne[1] == p->NG) &&
+                sk->ne[2] == p->H && sk->ne[3] == p->n_stream);
     GGML_ASSERT(sv->type == GGML_TYPE_I8 && sv->ne[1] == p->NG && sv->ne[2] == p->H && sv->ne[3] == p->n_stream);
     GGML_ASSERT(pkv->type == GGML_TYPE_F16 && pkv->ne[0] == p->D && pkv->ne[1] == p->S && pkv->ne[2] == 2 &&
                 pkv->ne[3] == (int64_t) p->H*p->n_stream);

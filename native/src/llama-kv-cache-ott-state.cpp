@@ -36,10 +36,11 @@ static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // 2: only the used ring rows and pool slots; 3: length and checksum; 4: K and V widths and v_rotate in the header;
 // 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths); 6: k_mix in the header and
 // beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter); 8: k_mix 2 (2-bit keys of
-// mixed widths 1/2/3: a 2-bit layer's K blocks may mean either, its flag beside its widths says which)
-static const uint32_t OTT_STATE_VERSION = 8;
-static const int      OTT_STATE_HDR     = 14; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
-                                              // n_layer, K bits, V bits, v_rotate, k_mix, v_sym
+// mixed widths 1/2/3: a 2-bit layer's K blocks may mean either, its flag beside its widths says which); 9: k_young
+// in the header, and the young keys of the newest sealed groups after each head's sealed K groups
+static const uint32_t OTT_STATE_VERSION = 9;
+static const int      OTT_STATE_HDR     = 15; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+                                              // n_layer, K bits, V bits, v_rotate, k_mix, v_sym, k_young
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -96,7 +97,8 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                                           (uint32_t) hk->Gv, (uint32_t) cfg.outlier_num, (uint32_t) cfg.aux_cap,
                                           (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                           (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
-                                          (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix, (uint32_t) cfg.v_sym };
+                                          (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix, (uint32_t) cfg.v_sym,
+                                          (uint32_t) cfg.k_young };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -130,6 +132,10 @@ void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id se
                 const size_t nsk = (size_t) streams[s].n_sealed*L.sealed_k->nb[1];
                 const size_t nsv = (size_t) streams[s].n_sealed*L.sealed_v->nb[1];
                 ott_write_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
+                // keys by age: the young keys of groups [n_sealed - A, n_sealed), oldest first
+                for (int32_t g = std::max(0, streams[s].n_sealed - L.young()); g < streams[s].n_sealed; ++g) {
+                    ott_write_tensor(io, L.sealed_k, L.young_offset(s, h, g), L.young_kbytes);
+                }
                 ott_write_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
                 // the ring rows of the positions not sealed yet, then the pools' meta and their used slots only
                 for (int kv = 0; kv < 2; ++kv) {
@@ -176,9 +182,10 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                                    (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                                    (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
                                                    (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix,
-                                                   (uint32_t) cfg.v_sym };
+                                                   (uint32_t) cfg.v_sym, (uint32_t) cfg.k_young };
         const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
-                                                  "n_layer", "K bits", "V bits", "v_rotate", "k_mix", "v_sym" };
+                                                  "n_layer", "K bits", "V bits", "v_rotate", "k_mix", "v_sym",
+                                                  "k_young" };
         for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
@@ -214,21 +221,30 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
     }
 }
 
-// Whether the sealed K groups [0, n_sealed) of (stream s, head h) of a k_mix layer have width tables the kernels can
-// walk: D/4 channels of each outer width (kbits -+ 1, codes 0 and 2), no unknown width code (a crafted state could
-// otherwise make them read past a group).
+// Whether a k_mix K group's width table (at byte offset off of sealed_k, after D blocks of kb bytes) is one the kernels
+// can walk: D/4 channels of each outer width (kbits -+ 1, codes 0 and 2), no unknown width code (a crafted state
+// could otherwise make them read past a group).
+static bool ott_width_table_ok(const ott_layer & L, size_t off, size_t kb) {
+    const size_t D = (size_t) L.op.D;
+    std::vector<uint8_t> tbl(D/4);
+    ggml_backend_tensor_get(L.sealed_k, tbl.data(), off + D*kb, tbl.size());
+    size_t count[4] = {};
+    for (size_t c = 0; c < D; ++c) {
+        count[(tbl[c/4] >> (2*(c%4))) & 3]++;
+    }
+    return count[3] == 0 && count[0] == D/4 && count[2] == D/4;
+}
+
+// the same for the sealed K groups [0, n_sealed) of (stream s, head h) of a k_mix layer, and for its young keys
 static bool ott_width_tables_ok(const ott_layer & L, int32_t s, int32_t h, int32_t n_sealed) {
     const size_t D = (size_t) L.op.D, gbytes = L.sealed_k->nb[1];
-    const size_t kb = (gbytes - D/4)/D; // the nominal block bytes: the blocks take D of them
-    std::vector<uint8_t> tbl(D/4);
-    for (int32_t g = 0; g < n_sealed; ++g) {
-        ggml_backend_tensor_get(L.sealed_k, tbl.data(), h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*gbytes + D*kb,
-                                tbl.size());
-        size_t count[4] = {};
-        for (size_t c = 0; c < D; ++c) {
-            count[(tbl[c/4] >> (2*(c%4))) & 3]++;
+    for (int32_t g = 0; (L.op.flags & GGML_OTT_K_MIX) && g < n_sealed; ++g) {
+        if (!ott_width_table_ok(L, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3] + g*gbytes, (gbytes - D/4)/D)) {
+            return false;
         }
-        if (count[3] != 0 || count[0] != D/4 || count[2] != D/4) {
+    }
+    for (int32_t g = std::max(0, n_sealed - L.young()); (L.op.flags & GGML_OTT_K_YOUNG_MIX) && g < n_sealed; ++g) {
+        if (!ott_width_table_ok(L, L.young_offset(s, h, g), (L.young_kbytes - D/4)/D)) {
             return false;
         }
     }
@@ -275,7 +291,10 @@ void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_
         for (auto & L : layers) {
             for (int32_t h = 0; h < L.op.H; ++h) {
                 ott_read_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
-                if ((L.op.flags & GGML_OTT_K_MIX) && !ott_width_tables_ok(L, s, h, rec[2])) {
+                for (int32_t g = std::max(0, rec[2] - L.young()); g < rec[2]; ++g) {
+                    ott_read_tensor(io, L.sealed_k, L.young_offset(s, h, g), L.young_kbytes);
+                }
+                if (!ott_width_tables_ok(L, s, h, rec[2])) {
                     reset_stream_meta((uint32_t) s);
                     throw std::runtime_error(std::string(kv_type.name) + ": the state's K width tables are not "
                                              "k_mix's quotas (a corrupt state)");

@@ -96,12 +96,21 @@ struct ott_layer {
     ggml_tensor * ring      = nullptr; // F16 [D, H, T, 2*n_stream]: (K, V) of stream s at 2s, 2s+1; slot = pos % T
     ggml_tensor * sealed_k  = nullptr; // I8  [D*KB (+ D/4 k_mix), NG, H, n_stream]: group g = D blocks, channel c
                                        // over G tokens (k_mix: each at its width, then the width table)
+                                       // (k_young A: slots NG.. hold a ring of A groups at kbits + 1, group g in
+                                       // ring slot g % A: ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT)
     ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
     ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
     ggml_tensor * pool_meta = nullptr; // I32 [ott_meta_row::len(S), H, n_stream]
     ggml_tensor * flags     = nullptr; // I32 [n_stream], one per device (shared by its layers): set by the seal op
                                        // when a stream's new K/V are not finite
     ggml_ott_params op;                // the layer's shapes and parameters, as the ops take them
+    size_t young_kbytes = 0;           // k_young: bytes of one young K group (0: the layer has no young keys)
+
+    int32_t young() const { return ggml_ott_k_young(&op); }
+    // byte offset in sealed_k of group g's young keys (stream s, head h): ring slot g % A after the NG group slots
+    size_t young_offset(int32_t s, int32_t h, int32_t g) const {
+        return s*sealed_k->nb[3] + h*sealed_k->nb[2] + (size_t) op.NG*sealed_k->nb[1] + (size_t) (g % young())*young_kbytes;
+    }
 };
 
 struct ott_stream {

@@ -62,6 +62,7 @@ llama_ott_config llama_ott_config_default(void) {
     c.v_rotate = 1;
     c.k_mix = 2; // 2- and 3-bit keys mix widths per channel: docs/long-context-keys.md
     c.v_sym = 0; // docs/v-blocks.md; layer_widths all 0: every layer takes the widths of the K/V types
+    c.k_young = 0;
     return c;
 }
 
@@ -110,7 +111,7 @@ bool llama_ott_config_set_layer_widths(struct llama_ott_config * cfg, const char
 
 // Upper bounds keep a typo from allocating gigabytes: the tail holds R + G tokens per (layer, head, sequence),
 // the pools outlier_num + aux_cap; the kernels keep the outlier candidates of a group on the stack (64).
-static const int32_t OTT_MAX_R = 8192, OTT_MAX_OUTLIERS = 64, OTT_MAX_AUX = 4096;
+static const int32_t OTT_MAX_R = 8192, OTT_MAX_OUTLIERS = 64, OTT_MAX_AUX = 4096, OTT_MAX_YOUNG = 16;
 
 std::string llama_ott_config_problem(const llama_ott_config & c) {
     if (c.G != OTT2_HEAD_G) {
@@ -141,6 +142,9 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.v_sym && !c.v_rotate) {
         return "v_sym=1 needs v_rotate=1 (symmetric blocks suit rotated values, which are centred)";
+    }
+    if (c.k_young < 0 || c.k_young > OTT_MAX_YOUNG) {
+        return "k_young=" + std::to_string(c.k_young) + " is outside [0, " + std::to_string(OTT_MAX_YOUNG) + "]";
     }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];

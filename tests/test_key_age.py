@@ -1,0 +1,119 @@
+"""Keys by age (llama_ott_config.k_young, docs/long-context.md "Keys by age"): a 2-bit-key layer also holds the
+keys of its newest k_young sealed groups at 3 bits, and attention reads those groups' keys from there.
+
+The exact checks lean on what the young keys are: the 3-bit cache's own key format, quantized from the same keys
+(placeholders written) by the same kernel. So while every sealed group a query sees is young, ott2 with k_young
+computes what ott3/ott2 computes, bit for bit; once older groups exist it differs from both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ott_gguf import Llama
+from ott_gguf.evaluate import eval_logits
+
+from helpers import doc_prefix, f16_logits, kl_divergence
+from helpers import last_logits as logits_now
+
+R, G = 32, 128  # the defaults: query position p sees S(p) = (p - R) // G sealed groups
+# the KLD of k_young 2 over ott2's where queries see 3-7 sealed groups: measured 0.0279 / 0.0365 = 0.76x (ott3/ott2
+# 0.0227), 2026-12-01
+YOUNG2_KLD_RATIO = 0.85
+
+
+def sealed_seen(n: int) -> np.ndarray:
+    return np.maximum(0, (np.arange(n) - R) // G)
+
+
+def test_every_group_young_is_the_3_bit_key_cache_and_older_groups_are_not(smollm2: Path) -> None:
+    """1024 tokens in a 1024 context (7 group slots, all sealed by the end). k_young 8 >= the slots: every sealed
+    group is read at 3 bits, the logits are ott3/ott2's bit for bit. k_young 2: equal to ott3/ott2 where a query
+    sees at most 2 sealed groups, different from it where older groups are read at 2 bits, different from ott2
+    wherever a group is sealed at all, and closer to f16 than ott2."""
+    n = 1024
+    toks = doc_prefix(smollm2, n)
+    three = eval_logits(smollm2, "ott3/ott2", toks, n_ctx=n)
+    two = eval_logits(smollm2, "ott2", toks, n_ctx=n)
+    all_young = eval_logits(smollm2, "ott2", toks, n_ctx=n, ott_config={"k_young": 8})
+    np.testing.assert_array_equal(all_young, three)
+    young2 = eval_logits(smollm2, "ott2", toks, n_ctx=n, ott_config={"k_young": 2})
+    seen = sealed_seen(n)
+    np.testing.assert_array_equal(young2[seen <= 2], three[seen <= 2])
+    np.testing.assert_array_equal(young2[seen == 0], two[seen == 0])
+    for s in range(1, seen.max() + 1):
+        rows = seen == s
+        assert not np.array_equal(young2[rows], two[rows]), f"{s} sealed groups: k_young 2 read them as ott2 does"
+        if s > 2:
+            assert not np.array_equal(young2[rows], three[rows]), f"{s} sealed groups: older ones read at 3 bits"
+    f16 = f16_logits(smollm2, n)
+    kld = {name: kl_divergence(f16, x)[seen > 2].mean() for name, x in (("ott2", two), ("young2", young2),
+                                                                         ("ott3/ott2", three))}  # fmt: skip
+    print(f"mean KLD vs f16 where a query sees 3-7 sealed groups: {kld}")
+    assert kld["ott3/ott2"] < kld["young2"] < YOUNG2_KLD_RATIO * kld["ott2"], kld
+
+
+def _logits_after(model: Path, tokens: list[int], chunks: list[int], cfg: dict[str, object]) -> np.ndarray:
+    llm = Llama(str(model), kv_type="ott2", n_ctx=1024, n_batch=1024, n_ubatch=1024, ott_config=cfg, verbose=False)
+    i = 0
+    for c in chunks:
+        llm.eval(tokens[i : i + c])
+        i += c
+    out = logits_now(llm)
+    llm.close()
+    return out
+
+
+def test_young_keys_do_not_depend_on_batching(smollm2: Path) -> None:
+    """660 tokens in one batch, and with the last 180 one at a time: the ring of 2 young groups has wrapped twice
+    (5 groups sealed) and a seal happens during the token-by-token part. The same logits bit for bit."""
+    toks = doc_prefix(smollm2, 660)
+    cfg: dict[str, object] = {"k_young": 2}
+    one = _logits_after(smollm2, toks, [660], cfg)
+    by_token = _logits_after(smollm2, toks, [480] + [1] * 180, cfg)
+    np.testing.assert_array_equal(by_token, one)
+
+
+def test_state_keeps_the_young_keys_and_refuses_another_k_young(smollm2: Path) -> None:
+    """save_state after 700 tokens (5 groups sealed, ring of 2 wrapped), load_state in a fresh context: the next
+    logits are the live ones bit for bit, and they are not ott2's without young keys (the young keys were carried).
+    A context with another k_young refuses the state, naming the field, and keeps what it held."""
+    toks = doc_prefix(smollm2, 710)
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, ott_config={"k_young": 2}, verbose=False)
+    llm.eval(toks[:700])
+    state = llm.save_state()
+    llm.eval(toks[700:])
+    live = logits_now(llm)
+    llm.close()
+    other = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, ott_config={"k_young": 2}, verbose=False)
+    other.load_state(state)
+    other.eval(toks[700:])
+    np.testing.assert_array_equal(logits_now(other), live)
+    other.close()
+    plain = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, verbose=False)
+    plain.eval(toks[:5])
+    with pytest.raises(ValueError, match="saved with another configuration: k_young=2, this cache has k_young=0"):
+        plain.load_state(state)
+    assert plain.kv_cache_info()["positions"] == 5
+    plain.reset()
+    plain.eval(toks)
+    assert not np.array_equal(logits_now(plain), live)
+    plain.close()
+
+
+def test_young_keys_cost_their_ring_in_the_byte_count(smollm2: Path) -> None:
+    """The cache allocates the ring with the quantized groups: k_young 4 adds 4 three-bit K groups per (layer, KV
+    head) to ott2's bytes, rounded up to whole 2-bit group slots, and nothing else."""
+    sizes = {}
+    for a in (0, 4):
+        llm = Llama(str(smollm2), kv_type="ott2", n_ctx=2048, ott_config={"k_young": a}, verbose=False)
+        sizes[a] = llm.kv_cache_info()["bytes"]
+        llm.close()
+    n_layer, H, D = 30, 3, 64
+    k2 = D * (4 + 2 * G // 8) + D // 4  # a 2-bit k_mix group: D blocks of scale, min and codes, then the widths
+    k3 = D * (4 + 3 * G // 8) + D // 4
+    slots = -(-4 * k3 // k2)
+    grew = {k: sizes[4][k] - sizes[0][k] for k in sizes[0]}
+    assert grew == {**{k: 0 for k in grew}, "quantized": n_layer * H * slots * k2}, grew
