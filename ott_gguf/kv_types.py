@@ -69,7 +69,8 @@ class OttConfig:
     sealed groups also hold their keys at 3 bits (k_mix 2/3/4 when k_mix is on), quantized from the same fp16 keys
     when the group is sealed, and attention reads those groups' keys at 3 bits; older groups are read at 2 bits.
     Costs k_young 3-bit K groups per (layer, sequence, KV head); 0 (the default) is off. The native cache runs it
-    on the CPU only so far.
+    on the CPU only so far. v_young: the same for values (layers with 2-bit values; 3-bit young values, never
+    symmetric blocks).
 
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
@@ -94,6 +95,7 @@ class OttConfig:
     k_mix: bool | int = K_MIX_DEFAULT  # 0/False, 1/True or 2: K_MIX_WIDTHS
     v_sym: bool = False
     k_young: int = 0
+    v_young: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -136,8 +138,11 @@ class OttConfig:
             raise ValueError(f"ott_config.v_sym needs Gv in 32, 64, 128 or 256, got {self.Gv}")
         if self.k_mix and self.k_rotate:
             raise ValueError("ott_config.k_mix and k_rotate exclude each other (k_mix ranks the unrotated channels)")
-        if self.k_young > K_YOUNG_MAX:
-            raise ValueError(f"ott_config.k_young must be in [0, {K_YOUNG_MAX}] (sealed groups), got {self.k_young}")
+        for name in ("k_young", "v_young"):
+            if getattr(self, name) > K_YOUNG_MAX:
+                raise ValueError(
+                    f"ott_config.{name} must be in [0, {K_YOUNG_MAX}] (sealed groups), got {getattr(self, name)}"
+                )
         if self.mean not in ("non_outlier", "all"):
             raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
 
@@ -153,7 +158,9 @@ class OttConfig:
 
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
     # (all int32 there: v_rotate and v_sym are 0 or 1, k_mix 0, 1 or 2)
-    NATIVE_FIELDS = ("G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym", "k_young")
+    NATIVE_FIELDS = (
+        "G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym", "k_young", "v_young"
+    )  # fmt: skip
 
     @classmethod
     def of(cls, value: OttConfig | dict[str, Any] | None) -> OttConfig:
@@ -198,16 +205,23 @@ class OttConfig:
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def params_text(self) -> str:
-        """The native fields as llama.cpp's tools of this build take them (--ott-params); k_young only when set,
-        so a configuration without it reads as it always did."""
+        """The native fields as llama.cpp's tools of this build take them (--ott-params); k_young and v_young only
+        when set, so a configuration without them reads as it always did."""
         values = self.native()
-        return ",".join(str(x) for x in (values if self.k_young else values[:-1]))
+        n = len(values) if self.v_young else len(values) - 1 if self.k_young else len(values) - 2
+        return ",".join(str(x) for x in values[:n])
 
     def young_for_layer(self, layer: int | None = None) -> int:
         """Keys by age: how many of the newest sealed groups of this layer also hold their keys at 3 bits
         (k_young on layers with 2-bit keys, else 0)."""
         kbits = self.kbits if layer is None else self.widths_for_layer(layer)[0]
         return self.k_young if kbits == K_YOUNG_BITS else 0
+
+    def young_values_for_layer(self, layer: int | None = None) -> int:
+        """Values by age: how many of the newest sealed groups of this layer also hold their values at 3 bits
+        (v_young on layers with 2-bit values, else 0)."""
+        vbits = self.vbits if layer is None else self.widths_for_layer(layer)[1]
+        return self.v_young if vbits == K_YOUNG_BITS else 0
 
     def widths_for_layer(self, layer: int) -> tuple[int, int]:
         """(K bits, V bits) of a layer: its layer_widths item, else the configuration's widths."""

@@ -100,6 +100,16 @@ class YoungKeys:
 
 
 @dataclass
+class YoungValues:
+    """A sealed group's values held a second time at the next wider format (values by age, config.v_young)."""
+
+    v_codes: np.ndarray  # (G, D) uint8
+    v_scale: np.ndarray  # (G, D // Gv) float16 (sign bit: rotated)
+    v_min: np.ndarray  # (G, D // Gv) float16
+    v_hat: np.ndarray  # (G, D) float32
+
+
+@dataclass
 class SealedGroup:
     """Group `index`, positions [index*G, (index+1)*G), as stored after sealing."""
 
@@ -121,6 +131,8 @@ class SealedGroup:
     # keys by age (config.k_young): the same keys at 3 bits while the group is among the newest k_young sealed
     # groups (None once it is older, or without k_young); attention reads them in place of k_codes
     young: YoungKeys | None = None
+    # values by age (config.v_young): the same for the values, at 3 bits
+    young_v: YoungValues | None = None
 
     @property
     def v_rotated(self) -> np.ndarray:
@@ -180,7 +192,7 @@ class HeadState:
         v = np.empty((self.n_pos, self.head_dim), np.float32)
         for g in self.groups:
             k[g.index * self.G : (g.index + 1) * self.G] = g.k_hat if g.young is None else g.young.k_hat
-            v[g.index * self.G : (g.index + 1) * self.G] = g.v_hat
+            v[g.index * self.G : (g.index + 1) * self.G] = g.v_hat if g.young_v is None else g.young_v.v_hat
         pooled = self.pooled()
         k[pooled.pos] = pooled.k  # cover
         v[pooled.pos] = pooled.v
@@ -503,6 +515,14 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
         young = YoungKeys(k_codes=ycodes, k_scale=yscale, k_min=ymin, k_hat=yhat, k_widths=ywidths)
         if len(state.groups) >= n_young:
             state.groups[len(state.groups) - n_young].young = None
+    young_v = None
+    n_young_v = config.young_values_for_layer()
+    if n_young_v and key_mix is None:
+        # values by age: the same values (placeholders written) at 3 bits
+        vc, vs, vm, vh = quantize_values(gv, config.replace(v_bits=config.vbits + 1))
+        young_v = YoungValues(v_codes=vc, v_scale=vs, v_min=vm, v_hat=vh)
+        if len(state.groups) >= n_young_v:
+            state.groups[len(state.groups) - n_young_v].young_v = None
     v_codes, v_scale, v_min, v_hat = quantize_values(gv, config)
     state.groups.append(
         SealedGroup(
@@ -519,6 +539,7 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
             k_rotated=k_rotated,
             k_widths=k_widths,
             young=young,
+            young_v=young_v,
         )
     )
     state.tail_pos = state.tail_pos[G:]
@@ -638,6 +659,8 @@ def _int_values_error(state: HeadState, p: np.ndarray, v_rotate: bool, bits: int
     err = np.zeros((n, D), np.float32)
     one = np.float32((1 << bits) - 1)
     for g in state.groups:
+        if g.young_v is not None:
+            continue  # young values are weighed in fp32 here (not modeled: the integer pass of their kernels)
         rot = g.v_rotated.all(axis=1)
         cols = np.array([j for j in range(G) if g.index * G + j not in pooled and (rot[j] or not v_rotate)], np.int64)
         if len(cols) == 0:
@@ -835,8 +858,9 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
         "codes": t_q * D * (kbits + vbits),
         "k_scale_min": 32 * D * t_q / config.G,
         "k_widths": 2 * D * t_q / config.G if mixed else 0,  # 2 bits per channel and group
-        # keys by age: k_young groups' keys again at 3 bits (as allocated: the ring is there from the start)
-        "k_young": _young_bits(lc, D),
+        # keys and values by age: k_young (v_young) groups' keys (values) again at 3 bits (as allocated: the rings
+        # are there from the start)
+        "young": _young_bits(lc, D),
         "v_scale_min": (16 if lc.v_symmetric else 32) * t_q * D / config.Gv,  # v_sym: a scale, no min
         "tail": 2 * 16 * D * t_tail,
         "pools": 2 * 16 * D * slots,
@@ -846,12 +870,16 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
 
 
 def _young_bits(lc: OttConfig, D: int) -> float:
-    """Bits of a layer's ring of young keys (config.k_young groups of D channels at kbits + 1; 0 without)."""
-    n = lc.young_for_layer()
-    if not n:
-        return 0
-    yc = lc.replace(k_bits=lc.kbits + 1)
-    return n * (D * yc.kbits * lc.G + 32 * D + (2 * D if yc.k_mixed else 0))
+    """Bits of a layer's rings of young keys and values (config.k_young / v_young groups at kbits + 1 / vbits + 1;
+    0 without)."""
+    bits = 0
+    if n := lc.young_for_layer():
+        yc = lc.replace(k_bits=lc.kbits + 1)
+        bits += n * (D * yc.kbits * lc.G + 32 * D + (2 * D if yc.k_mixed else 0))
+    if n := lc.young_values_for_layer():
+        # a token's D // Gv blocks of vbits + 1 codes, fp16 scale and min each (young values are never symmetric)
+        bits += n * lc.G * (D * (lc.vbits + 1) + 32 * D // lc.Gv)
+    return bits
 
 
 def effective_bits(config: OttConfig, head_dim: int, n_tokens: int, n_layer: int | None = None) -> float:

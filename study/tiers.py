@@ -51,6 +51,7 @@ class Tier:
     aux: int = 32  # aux_cap
     nol: int = 2  # no_outlier_layers
     young: int = 0  # k_young: keys by age (docs/long-context.md)
+    young_v: int = 0  # v_young: values by age
 
     @property
     def label(self) -> str:
@@ -73,13 +74,15 @@ class Tier:
         name += f" aux={self.aux}" if self.aux != 32 else ""
         name += f" NOL={self.nol}" if self.nol != 2 else ""
         name += f" young={self.young}" if self.young else ""
+        name += f" youngV={self.young_v}" if self.young_v else ""
         return name + (f" --ott-layers {self.layers}" if self.layers else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
             out += ["--ott-params", f"128,{self.R},{self.outliers},{self.aux},{self.nol},{int(self.v_rotate)},"
-                    f"{int(self.k_mix)},{int(self.v_sym)}" + (f",{self.young}" if self.young else "")]  # fmt: skip
+                    f"{int(self.k_mix)},{int(self.v_sym)}" + (f",{self.young}" if self.young or self.young_v else "")
+                    + (f",{self.young_v}" if self.young_v else "")]  # fmt: skip
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -89,7 +92,8 @@ class Tier:
             return None
         return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix, "v_sym": self.v_sym,
                 "R": self.R, "outlier_num": self.outliers, "aux_cap": self.aux,
-                "no_outlier_layers": self.nol, "k_young": self.young}  # fmt: skip
+                "no_outlier_layers": self.nol, "k_young": self.young,
+                "v_young": self.young_v}  # fmt: skip
 
 
 TIERS = (

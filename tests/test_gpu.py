@@ -106,3 +106,17 @@ def test_gpu_greedy_generation(smollm2: Path) -> None:
             llm.close()
         print(f"{kv}: {outs[kv]!r}")
     assert all(outs.values())
+
+
+@needs_gpu
+def test_keys_by_age_refuse_a_cache_on_the_gpu_by_name(smollm2: Path) -> None:
+    """Young keys (k_young) have CPU kernels only: with the cache offloaded to CUDA0 the context is refused, naming
+    k_young (not run elsewhere), and with no_kv_offload it runs."""
+    from ott_gguf import Llama
+
+    with pytest.raises(ValueError, match=r"keeps its cache on CUDA0, but keys by age \(k_young=4\) run on the CPU"):
+        Llama(str(smollm2), kv_type="ott2", n_ctx=1024, n_gpu_layers=99, ott_config={"k_young": 4}, verbose=False)
+    llm = Llama(str(smollm2), kv_type="ott2", n_ctx=1024, n_gpu_layers=99, offload_kqv=False,
+                ott_config={"k_young": 4}, verbose=False)  # fmt: skip
+    assert llm(docs_text()[:2000], max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    llm.close()

@@ -83,8 +83,8 @@ def test_bad_specs_are_refused_by_both(spec: str, message: str) -> None:
 
 
 def test_the_c_struct_carries_a_byte_per_layer() -> None:
-    # G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix, v_sym, k_young
-    assert ctypes.sizeof(_lib.LlamaOttConfig) == 9 * 4 + 256
+    # G, R, outlier_num, aux_cap, no_outlier_layers, v_rotate, k_mix, v_sym, k_young, v_young
+    assert ctypes.sizeof(_lib.LlamaOttConfig) == 10 * 4 + 256
     assert list(_lib.native().llama_ott_config_default().layer_widths) == [0] * 256
     bad = _lib.LlamaOttConfig.of(OttConfig())
     bad.layer_widths[3] = 0x51

@@ -16,7 +16,8 @@ def test_tier_params_round_trip() -> None:
     assert t.args() == ["-ctk", "ott2", "-ctv", "ott2", "--ott-params", "128,48,6,64,0,1,1,0"]
     assert t.label == "ott2 +rotV uniform K R=48 O=6 aux=64 NOL=0"  # k_mix 1: 2-bit keys uniform
     assert t.ott_config() == {"v_rotate": True, "layer_widths": "", "k_mix": True, "v_sym": False, "R": 48,
-                              "outlier_num": 6, "aux_cap": 64, "no_outlier_layers": 0, "k_young": 0}  # fmt: skip
+                              "outlier_num": 6, "aux_cap": 64, "no_outlier_layers": 0, "k_young": 0,
+                              "v_young": 0}  # fmt: skip
     # keys by age: a ninth value, passed on as llama.cpp's tools take it
     young = LC.tier_of("ott2/ott2@128,32,3,32,2,1,2,0,4", "smollm2-135m")
     assert young.args()[-1] == "128,32,3,32,2,1,2,0,4" and young.label == "ott2 +rotV young=4"

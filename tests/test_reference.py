@@ -1312,6 +1312,38 @@ def test_keys_by_age_hold_the_newest_groups_keys_at_3_bits() -> None:
                 np.testing.assert_array_equal(g.young.k_widths, g3.k_widths)
                 np.testing.assert_array_equal(k_served[rows], k_three[rows])
     # the ring is allocated from the start: 2 groups of 3-bit mixed keys (codes, scale and min, widths)
-    assert memory_bits(OttConfig(k_young=2), D, n)["k_young"] == 2 * (D * 3 * G + 32 * D + 2 * D)
-    assert memory_bits(OttConfig(k_young=2, k_bits=3), D, n)["k_young"] == 0
+    assert memory_bits(OttConfig(k_young=2), D, n)["young"] == 2 * (D * 3 * G + 32 * D + 2 * D)
+    assert memory_bits(OttConfig(k_young=2, k_bits=3), D, n)["young"] == 0
     assert effective_bits(OttConfig(k_young=2), D, n) > effective_bits(OttConfig(), D, n)
+
+
+def test_values_by_age_hold_the_newest_groups_values_at_3_bits() -> None:
+    """v_young 2 on 2-bit values (symmetric blocks too): the two newest groups carry their values again at 3 bits,
+    exactly as the 3-bit-value cache quantizes them (full-range blocks), and attention is served those; older groups
+    and the keys are the plain cache's. The bytes count the ring."""
+    rng = np.random.default_rng(12)
+    D, H, G, R = 64, 1, 128, 32
+    n = R + 4 * G
+    k = (rng.standard_normal((n, H, D)) * rng.uniform(0.2, 4.0, D)).astype(np.float32)
+    v = rng.standard_normal((n, H, D)).astype(np.float32)
+    base = OttConfig(v_sym=True)
+    caches = {name: OttCache(cfg, 1, H, D) for name, cfg in
+              (("young", base.replace(v_young=2)), ("2/2", base), ("2/3", base.replace(v_bits=3)))}  # fmt: skip
+    for c in caches.values():
+        c.process_ubatch(0, 0, None, k, v, np.arange(n))
+    young, two, three = (caches[name].state(0, 0, 0) for name in ("young", "2/2", "2/3"))
+    assert [g.index for g in young.groups if g.young_v is not None] == [2, 3]
+    assert all(g.young is None for g in young.groups)
+    _, k_y, v_y = young.served()
+    _, k_two, v_two = two.served()
+    _, _, v_three = three.served()
+    np.testing.assert_array_equal(k_y, k_two)
+    for g, g3 in zip(young.groups, three.groups, strict=True):
+        rows = slice(g.index * G, (g.index + 1) * G)
+        if g.young_v is None:
+            np.testing.assert_array_equal(v_y[rows], v_two[rows])
+        else:
+            np.testing.assert_array_equal(g.young_v.v_codes, g3.v_codes)
+            np.testing.assert_array_equal(v_y[rows], v_three[rows])
+    # 2 groups of G tokens, each D // Gv blocks of 3-bit codes with an fp16 scale and min
+    assert memory_bits(base.replace(v_young=2), D, n)["young"] == 2 * G * (D * 3 + 32 * D // base.Gv)

@@ -47,19 +47,56 @@ struct ott_views {
     }
 };
 
-// keys by age (ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT): the kernels of the young groups' keys (kbits + 1, the layer's V
-// format) and where (stream s, head h)'s ring of A young K groups starts, past the NG group slots; nullptr when A = 0
-static const ott_head_kernels * ott_young_kernels(const ggml_ott_params & p, const ggml_tensor * sk) {
-    const int32_t A = ggml_ott_k_young(&p);
-    if (A == 0) {
-        return nullptr;
+// keys and values by age (ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT): the newest AK sealed groups' keys and the newest AV
+// groups' values are read from rings past the NG group slots of sealed_k / sealed_v, at the next wider format. Per
+// group, the kernels of its (K format, V format) and where its K and V blocks are.
+struct ott_young {
+    const ott_head_kernels * hk = nullptr;    // the layer's formats
+    const ott_head_kernels * by[4] = {};      // by[ky + 2*vy]: K young (ky), V young (vy)
+    int32_t AK = 0, AV = 0;
+    size_t kbytes = 0, vbytes = 0, ykbytes = 0, yvbytes = 0;
+
+    ott_young(const ggml_ott_params & p, const ggml_tensor * sk, const ggml_tensor * sv) {
+        const int kmix = (p.flags & GGML_OTT_K_MIX) != 0, vsym = (p.flags & GGML_OTT_V_SYM) != 0;
+        const int ykmix = (p.flags & GGML_OTT_K_YOUNG_MIX) != 0;
+        AK = ggml_ott_k_young(&p);
+        AV = ggml_ott_v_young(&p);
+        hk = ott_head_find(p.kbits, p.vbits, kmix, vsym);
+        GGML_ASSERT(hk && (uint32_t) hk->G == (uint32_t) p.G && hk->Gv == p.Gv);
+        for (int ky = 0; ky < 2; ++ky) {
+            for (int vy = 0; vy < 2; ++vy) {
+                if ((ky && !AK) || (vy && !AV)) {
+                    continue;
+                }
+                // young values are never symmetric blocks (those are 2-bit only)
+                by[ky + 2*vy] = ott_head_find(p.kbits + ky, p.vbits + vy, ky ? ykmix : kmix, vy ? 0 : vsym);
+                GGML_ASSERT(by[ky + 2*vy] && by[ky + 2*vy]->G == hk->G && by[ky + 2*vy]->Gv == hk->Gv);
+            }
+        }
+        kbytes = ott_head_kbytes(hk, p.D);
+        vbytes = (size_t) p.G*(p.D/p.Gv)*hk->vb;
+        if (AK) {
+            ykbytes = ott_head_kbytes(by[1], p.D);
+            GGML_ASSERT((size_t) AK*ykbytes <= (size_t) (sk->ne[1] - p.NG)*sk->nb[1]);
+        }
+        if (AV) {
+            yvbytes = (size_t) p.G*(p.D/p.Gv)*by[2]->vb;
+            GGML_ASSERT((size_t) AV*yvbytes <= (size_t) (sv->ne[1] - p.NG)*sv->nb[1]);
+        }
     }
-    const ott_head_kernels * hy = ott_head_find(p.kbits + 1, p.vbits, (p.flags & GGML_OTT_K_YOUNG_MIX) != 0,
-                                                (p.flags & GGML_OTT_V_SYM) != 0);
-    GGML_ASSERT(hy && (uint32_t) hy->G == (uint32_t) p.G && hy->Gv == p.Gv);
-    GGML_ASSERT((size_t) A*ott_head_kbytes(hy, p.D) <= (size_t) (sk->ne[1] - p.NG)*sk->nb[1]);
-    return hy;
-}
+    bool k_young(int32_t g, int32_t n_sealed) const { return AK && g >= n_sealed - AK; }
+    bool v_young(int32_t g, int32_t n_sealed) const { return AV && g >= n_sealed - AV; }
+    const ott_head_kernels * kernels(int32_t g, int32_t n_sealed) const {
+        return by[k_young(g, n_sealed) + 2*v_young(g, n_sealed)]; // by[0] is hk; the others exist where used
+    }
+    // group g's K (V) blocks in a head's region of sealed_k (sealed_v), base: the region's start
+    char * k_at(char * base, int32_t g, int32_t NG, bool young) const {
+        return young ? base + (size_t) NG*kbytes + (size_t) (g % AK)*ykbytes : base + (size_t) g*kbytes;
+    }
+    char * v_at(char * base, int32_t g, int32_t NG, bool young) const {
+        return young ? base + (size_t) NG*vbytes + (size_t) (g % AV)*yvbytes : base + (size_t) g*vbytes;
+    }
+};
 
 ott_views views_of(const ggml_tensor * dst, const ggml_ott_params & p) {
     ott_views v{ p, dst->src[1], dst->src[2], dst->src[3], dst->src[4], dst->src[5], dst->src[6], dst->src[7],
@@ -89,12 +126,8 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     const uint32_t D = p.D, G = p.G, gq = p.n_head / p.H, O = (uint32_t) p.outlier_num;
     const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
-    GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
-    const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
-    const int32_t A = ggml_ott_k_young(&p);
-    const ott_head_kernels * hy = ott_young_kernels(p, v.sk);
-    const size_t ykbytes = hy ? ott_head_kbytes(hy, D) : 0;
+    const ott_young yk(p, v.sk, v.sv); // the layer's kernels, and those of young groups (k_young, v_young)
+    const size_t kbytes = yk.kbytes, vbytes = yk.vbytes;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
     thread_local std::vector<float> scratch, qb, acc, M, L;
     thread_local std::vector<int32_t> qpos, cj;
@@ -199,10 +232,10 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
                         cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
                     }
                 }
-                // keys by age: the newest A groups' keys from the young ring, at the wider format
-                const bool young = hy && g >= n_sealed - A;
-                (young ? hy : hk)->attn_group((int) D, (int) nr, qb.data(), p.scale,
-                               young ? gk + p.NG*kbytes + (g % A)*ykbytes : gk + g*kbytes, gv + g*vbytes,
+                // keys and values by age: the newest groups' keys (values) from their rings, at the wider format
+                yk.kernels(g, n_sealed)->attn_group((int) D, (int) nr, qb.data(), p.scale,
+                               yk.k_at((char *) gk, g, p.NG, yk.k_young(g, n_sealed)),
+                               yk.v_at((char *) gv, g, p.NG, yk.v_young(g, n_sealed)),
                                (int) cj.size(), cj.data(), ck.data(), cv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0),
                                M.data(), L.data(), acc.data(), scratch.data());
             }
@@ -233,7 +266,7 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
                     }
                     ck0 = tk.data(); cv0 = tv.data(); stride = (int) D;
                 }
-                hk->attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, pos0, ck0, cv0, stride,
+                yk.hk->attn_tail((int) D, (int) nr, qb.data(), qpos.data(), p.scale, n_t, pos0, ck0, cv0, stride,
                               M.data(), L.data(), acc.data(), scratch.data());
             }
         }
@@ -302,12 +335,9 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     int32_t * flags = (int32_t *) dst->src[9]->data;
     const ott_views v = views_of(dst, p);
     const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
-    const ott_head_kernels * hk = ott_head_find(p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0);
-    GGML_ASSERT(hk && G == (uint32_t) hk->G && p.Gv == hk->Gv);
-    const size_t kbytes = ott_head_kbytes(hk, D), vbytes = (size_t) G*(D/p.Gv)*hk->vb;
-    const int32_t A = ggml_ott_k_young(&p);
-    const ott_head_kernels * hy = ott_young_kernels(p, v.sk);
-    const size_t ykbytes = hy ? ott_head_kbytes(hy, D) : 0;
+    const ott_young yk(p, v.sk, v.sv);
+    const ott_head_kernels * hk = yk.hk;
+    const size_t kbytes = yk.kbytes, vbytes = yk.vbytes;
     std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
     for (int64_t u = ith; u < v.ns*p.H; u += nth) {
         const int64_t si = u / p.H;
@@ -334,9 +364,14 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
                      slots, pool, pool + (size_t) p.S*D, &n_pool,
                      slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
                      ((p.flags & GGML_OTT_V_ROTATE) != 0), v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
-            if (hy) {
-                // keys by age: the same keys (placeholders written) at the wider format, into the young ring
-                hy->quant_k((int) D, gk.data(), v.sealed(v.sk, s, h) + p.NG*kbytes + (g % A)*ykbytes);
+            // keys and values by age: the same keys and values (placeholders written) at the wider formats, into
+            // the rings (the slot of the group that has just aged out)
+            if (yk.AK) {
+                yk.by[1]->quant_k((int) D, gk.data(), yk.k_at(v.sealed(v.sk, s, h), g, p.NG, true));
+            }
+            if (yk.AV) {
+                yk.by[2]->quant_v((int) D, gv.data(), ((p.flags & GGML_OTT_V_ROTATE) != 0),
+                                  yk.v_at(v.sealed(v.sv, s, h), g, p.NG, true));
             }
             meta[2*p.S] = n_pool;
             meta[2*p.S + 1] = n_aux;

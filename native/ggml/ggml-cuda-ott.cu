@@ -35,8 +35,9 @@ bool ggml_cuda_ott_supports_op(const ggml_tensor * op) {
     if (op->op == GGML_OP_OTT_ATTN && op->src[1] && !ott_cu_on_device(op->src[0]->src[3], -1)) {
         return false;
     }
-    // keys by age (k_young) have CPU kernels only: the cache refuses to offload such a state (llama-kv-cache-ott.cpp)
-    if (op->op != GGML_OP_OTT_ATTN && ggml_ott_k_young(ggml_ott_get_params(op)) != 0) {
+    // keys and values by age (k_young, v_young) have CPU kernels only: the cache refuses to offload such a state (llama-kv-cache-ott.cpp)
+    if (op->op != GGML_OP_OTT_ATTN && (ggml_ott_k_young(ggml_ott_get_params(op)) != 0 ||
+                                      ggml_ott_v_young(ggml_ott_get_params(op)) != 0)) {
         return false;
     }
     return ott_cu_ops_of(op) != nullptr;

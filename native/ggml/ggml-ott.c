@@ -11,7 +11,8 @@ static void ott_check_state(const struct ggml_tensor * ring, const struct ggml_t
                 ring->ne[3] == 2*p->n_stream);
     GGML_ASSERT(sk->type == GGML_TYPE_I8 && (ggml_ott_k_young(p) ? sk->ne[1] > p->NG : sk->ne[1] == p->NG) &&
                 sk->ne[2] == p->H && sk->ne[3] == p->n_stream);
-    GGML_ASSERT(sv->type == GGML_TYPE_I8 && sv->ne[1] == p->NG && sv->ne[2] == p->H && sv->ne[3] == p->n_stream);
+    GGML_ASSERT(sv->type == GGML_TYPE_I8 && (ggml_ott_v_young(p) ? sv->ne[1] > p->NG : sv->ne[1] == p->NG) &&
+                sv->ne[2] == p->H && sv->ne[3] == p->n_stream);
     GGML_ASSERT(pkv->type == GGML_TYPE_F16 && pkv->ne[0] == p->D && pkv->ne[1] == p->S && pkv->ne[2] == 2 &&
                 pkv->ne[3] == (int64_t) p->H*p->n_stream);
     GGML_ASSERT(pmeta->type == GGML_TYPE_I32 && pmeta->ne[0] == 2*p->S + 3 && pmeta->ne[1] == p->H &&

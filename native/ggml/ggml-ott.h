@@ -23,14 +23,19 @@ struct ggml_ott_params {
 #define GGML_OTT_K_MIX    2
 // symmetric V blocks (v_sym, 2-bit values): one fp16 scale, no min (a V block is 2 bytes shorter)
 #define GGML_OTT_V_SYM    4
-// keys by age (llama_ott_config.k_young, docs/long-context.md): the keys of the newest A sealed groups are also held
-// at the next wider K format (kbits + 1; mixed per channel with GGML_OTT_K_YOUNG_MIX), group g in slot g % A of a
-// ring that follows the NG group slots of sealed_k (sealed_k->ne[1] > NG: its slots past NG hold the ring), and
-// attention reads those groups' keys from there. A in bits 8..15 of flags (0: none). CPU only so far.
+// keys and values by age (llama_ott_config.k_young / v_young, docs/long-context.md): the keys (values) of the newest
+// A sealed groups are also held at the next wider K (V) format (kbits + 1, mixed per channel with
+// GGML_OTT_K_YOUNG_MIX; vbits + 1), group g in slot g % A of a ring that follows the NG group slots of sealed_k
+// (sealed_v): that tensor's ne[1] > NG, its slots past NG hold the ring; attention reads those groups' keys (values)
+// from there. A of the keys in bits 8..15 of flags, of the values in bits 16..23 (0: none). CPU only so far.
 #define GGML_OTT_K_YOUNG_MIX   8
 #define GGML_OTT_K_YOUNG_SHIFT 8
+#define GGML_OTT_V_YOUNG_SHIFT 16
 static inline int32_t ggml_ott_k_young(const struct ggml_ott_params * p) {
     return (p->flags >> GGML_OTT_K_YOUNG_SHIFT) & 255;
+}
+static inline int32_t ggml_ott_v_young(const struct ggml_ott_params * p) {
+    return (p->flags >> GGML_OTT_V_YOUNG_SHIFT) & 255;
 }
 
 // attention partials: an online-softmax state (acc [D], M, L) per query row and unit

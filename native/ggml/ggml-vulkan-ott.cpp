@@ -68,7 +68,7 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
             const bool seal = op->op == GGML_OP_OTT_SEAL;
             const int i = ott_vk_shader(p, seal ? "seal" : "attn_part");
             const ott_vk_features f = ott_vk_device_features(device);
-            if (i < 0 || ggml_ott_k_young(&p) != 0 || !f.storage_8_16 || (seal && !f.float64) || p.D > 512 || p.D % p.Gv != 0 ||
+            if (i < 0 || ggml_ott_k_young(&p) != 0 || ggml_ott_v_young(&p) != 0 || !f.storage_8_16 || (seal && !f.float64) || p.D > 512 || p.D % p.Gv != 0 ||
                 ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0) || (seal && p.outlier_num > 64)) {
                 return false;
             }

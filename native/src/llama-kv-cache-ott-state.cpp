@@ -37,10 +37,12 @@ static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // 5: each layer's K and V widths beside its shape (llama_ott_config.layer_widths); 6: k_mix in the header and
 // beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter); 8: k_mix 2 (2-bit keys of
 // mixed widths 1/2/3: a 2-bit layer's K blocks may mean either, its flag beside its widths says which); 9: k_young
-// in the header, and the young keys of the newest sealed groups after each head's sealed K groups
+// and v_young in the header, and the young keys (values) of the newest sealed groups after each head's sealed K (V)
+// groups
 static const uint32_t OTT_STATE_VERSION = 9;
-static const int      OTT_STATE_HDR     = 15; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
-                                              // n_layer, K bits, V bits, v_rotate, k_mix, v_sym, k_young
+static const int      OTT_STATE_HDR     = 16; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+                                              // n_layer, K bits, V bits, v_rotate, k_mix, v_sym, k_young,
+                                              // v_young
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -98,7 +100,7 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                                           (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                           (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
                                           (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix, (uint32_t) cfg.v_sym,
-                                          (uint32_t) cfg.k_young };
+                                          (uint32_t) cfg.k_young, (uint32_t) cfg.v_young };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -133,10 +135,13 @@ void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id se
                 const size_t nsv = (size_t) streams[s].n_sealed*L.sealed_v->nb[1];
                 ott_write_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], nsk);
                 // keys by age: the young keys of groups [n_sealed - A, n_sealed), oldest first
-                for (int32_t g = std::max(0, streams[s].n_sealed - L.young()); g < streams[s].n_sealed; ++g) {
-                    ott_write_tensor(io, L.sealed_k, L.young_offset(s, h, g), L.young_kbytes);
+                for (int32_t g = std::max(0, streams[s].n_sealed - L.young_k()); g < streams[s].n_sealed; ++g) {
+                    ott_write_tensor(io, L.sealed_k, L.young_k_offset(s, h, g), L.young_kbytes);
                 }
                 ott_write_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], nsv);
+                for (int32_t g = std::max(0, streams[s].n_sealed - L.young_v()); g < streams[s].n_sealed; ++g) {
+                    ott_write_tensor(io, L.sealed_v, L.young_v_offset(s, h, g), L.young_vbytes);
+                }
                 // the ring rows of the positions not sealed yet, then the pools' meta and their used slots only
                 for (int kv = 0; kv < 2; ++kv) {
                     for (int32_t pos = streams[s].n_sealed*cfg.G; pos < streams[s].n_pos; ++pos) {
@@ -182,10 +187,11 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                                    (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                                    (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
                                                    (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix,
-                                                   (uint32_t) cfg.v_sym, (uint32_t) cfg.k_young };
+                                                   (uint32_t) cfg.v_sym, (uint32_t) cfg.k_young,
+                                                   (uint32_t) cfg.v_young };
         const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
                                                   "n_layer", "K bits", "V bits", "v_rotate", "k_mix", "v_sym",
-                                                  "k_young" };
+                                                  "k_young", "v_young" };
         for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
@@ -243,8 +249,8 @@ static bool ott_width_tables_ok(const ott_layer & L, int32_t s, int32_t h, int32
             return false;
         }
     }
-    for (int32_t g = std::max(0, n_sealed - L.young()); (L.op.flags & GGML_OTT_K_YOUNG_MIX) && g < n_sealed; ++g) {
-        if (!ott_width_table_ok(L, L.young_offset(s, h, g), (L.young_kbytes - D/4)/D)) {
+    for (int32_t g = std::max(0, n_sealed - L.young_k()); (L.op.flags & GGML_OTT_K_YOUNG_MIX) && g < n_sealed; ++g) {
+        if (!ott_width_table_ok(L, L.young_k_offset(s, h, g), (L.young_kbytes - D/4)/D)) {
             return false;
         }
     }
@@ -291,8 +297,8 @@ void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_
         for (auto & L : layers) {
             for (int32_t h = 0; h < L.op.H; ++h) {
                 ott_read_tensor(io, L.sealed_k, h*L.sealed_k->nb[2] + s*L.sealed_k->nb[3], (size_t) rec[2]*L.sealed_k->nb[1]);
-                for (int32_t g = std::max(0, rec[2] - L.young()); g < rec[2]; ++g) {
-                    ott_read_tensor(io, L.sealed_k, L.young_offset(s, h, g), L.young_kbytes);
+                for (int32_t g = std::max(0, rec[2] - L.young_k()); g < rec[2]; ++g) {
+                    ott_read_tensor(io, L.sealed_k, L.young_k_offset(s, h, g), L.young_kbytes);
                 }
                 if (!ott_width_tables_ok(L, s, h, rec[2])) {
                     reset_stream_meta((uint32_t) s);
@@ -300,6 +306,9 @@ void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_
                                              "k_mix's quotas (a corrupt state)");
                 }
                 ott_read_tensor(io, L.sealed_v, h*L.sealed_v->nb[2] + s*L.sealed_v->nb[3], (size_t) rec[2]*L.sealed_v->nb[1]);
+                for (int32_t g = std::max(0, rec[2] - L.young_v()); g < rec[2]; ++g) {
+                    ott_read_tensor(io, L.sealed_v, L.young_v_offset(s, h, g), L.young_vbytes);
+                }
                 for (int kv = 0; kv < 2; ++kv) {
                     for (int32_t pos = rec[2]*cfg.G; pos < rec[1]; ++pos) {
                         ott_read_tensor(io, L.ring, h*L.ring->nb[1] + (pos % L.op.T)*L.ring->nb[2] +

@@ -179,34 +179,35 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         const int32_t vsym = cfg.v_sym && vbits == 2;
         const ott_head_kernels * hkl = ott_head_find(kbits, vbits, kmix, vsym);
         GGML_ASSERT(hkl && hkl->G == hk->G && hkl->Gv == hk->Gv);
-        // keys by age (k_young): 2-bit-key layers also hold their newest groups' keys at 3 bits, in a ring of
-        // k_young groups after the NG group slots of sealed_k (as many slots as the ring's bytes take)
-        const int32_t A = kbits == 2 ? cfg.k_young : 0;
-        const int32_t ymix = A ? llama_ott_k_mixed(cfg, kbits + 1) : 0;
-        int64_t n_young_slots = 0;
-        if (A) {
-            const ott_head_kernels * hy = ott_head_find(kbits + 1, vbits, ymix, vsym);
-            if (!hy) {
-                throw std::runtime_error(std::string(kv_type.name) + ": k_young needs kernels for " +
-                                         std::to_string(kbits + 1) + "-bit keys with " + std::to_string(vbits) +
-                                         "-bit values, which this build has not");
-            }
-            if (buft != ggml_backend_cpu_buffer_type()) {
-                // the young keys' kernels exist for the CPU only: refuse rather than run the ops elsewhere
-                throw std::runtime_error(std::string(kv_type.name) + ": layer " + std::to_string(il) + " keeps its "
-                                         "cache on " + ggml_backend_buft_name(buft) + ", but keys by age (k_young=" +
-                                         std::to_string(A) + ") run on the CPU only so far: keep the K/V cache on "
-                                         "the CPU (no_kv_offload / -nkvo) or set k_young to 0");
-            }
-            const int64_t kbytes = (int64_t) ott_head_kbytes(hkl, (int) D);
-            n_young_slots = ((int64_t) A*(int64_t) ott_head_kbytes(hy, (int) D) + kbytes - 1)/kbytes;
+        // keys and values by age (k_young, v_young): a layer with 2-bit keys (values) also holds its newest groups'
+        // keys (values) at 3 bits, in a ring after the NG group slots of sealed_k (sealed_v), as many slots as the
+        // ring's bytes take
+        const int32_t AK = kbits == 2 ? cfg.k_young : 0, AV = vbits == 2 ? cfg.v_young : 0;
+        const int32_t ymix = AK ? llama_ott_k_mixed(cfg, kbits + 1) : 0;
+        const ott_head_kernels * hyk = AK ? ott_head_find(kbits + 1, vbits, ymix, vsym) : nullptr;
+        const ott_head_kernels * hyv = AV ? ott_head_find(kbits, vbits + 1, kmix, 0) : nullptr;
+        const ott_head_kernels * hykv = AK && AV ? ott_head_find(kbits + 1, vbits + 1, ymix, 0) : nullptr;
+        if ((AK && !hyk) || (AV && !hyv) || (AK && AV && !hykv)) {
+            throw std::runtime_error(std::string(kv_type.name) + ": this build has no kernels for the young keys or "
+                                     "values of layer " + std::to_string(il) + " (k_young, v_young)");
         }
+        if ((AK || AV) && buft != ggml_backend_cpu_buffer_type()) {
+            // the young groups' kernels exist for the CPU only: refuse rather than run the ops elsewhere
+            throw std::runtime_error(std::string(kv_type.name) + ": layer " + std::to_string(il) + " keeps its "
+                                     "cache on " + ggml_backend_buft_name(buft) + ", but keys and values by age (k_young=" +
+                                     std::to_string(cfg.k_young) + ", v_young=" + std::to_string(cfg.v_young) +
+                                     ") run on the CPU only so far: keep the K/V cache on the CPU (no_kv_offload / "
+                                     "-nkvo) or set them to 0");
+        }
+        const int64_t kbytes = (int64_t) ott_head_kbytes(hkl, (int) D), vbytes = (int64_t) G*(D/Gv)*hkl->vb;
+        const int64_t ykbytes = AK ? (int64_t) ott_head_kbytes(hyk, (int) D) : 0;
+        const int64_t yvbytes = AV ? (int64_t) G*(D/Gv)*hyv->vb : 0;
+        const int64_t n_young_k = (AK*ykbytes + kbytes - 1)/kbytes, n_young_v = (AV*yvbytes + vbytes - 1)/vbytes;
         ott_layer L;
         L.il = il;
         L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
-        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) ott_head_kbytes(hkl, (int) D), NG + n_young_slots,
-                                         H, n_stream);
-        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, (int64_t) G*(D/Gv)*hkl->vb, NG, H, n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, kbytes, NG + n_young_k, H, n_stream);
+        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, vbytes, NG + n_young_v, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, ott_meta_row::len(S), H, n_stream);
         L.flags     = flags[std::find(ctxs.begin(), ctxs.end(), ctx) - ctxs.begin()];
@@ -231,8 +232,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.vbits       = vbits;
         L.op.flags       = (cfg.v_rotate ? GGML_OTT_V_ROTATE : 0) | (kmix ? GGML_OTT_K_MIX : 0) |
                            (vsym ? GGML_OTT_V_SYM : 0) | (ymix ? GGML_OTT_K_YOUNG_MIX : 0) |
-                           (A << GGML_OTT_K_YOUNG_SHIFT);
-        L.young_kbytes   = A ? ott_head_kbytes(ott_head_find(kbits + 1, vbits, ymix, vsym), (int) D) : 0;
+                           (AK << GGML_OTT_K_YOUNG_SHIFT) | (AV << GGML_OTT_V_YOUNG_SHIFT);
+        L.young_kbytes   = (size_t) ykbytes;
+        L.young_vbytes   = (size_t) yvbytes;
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);

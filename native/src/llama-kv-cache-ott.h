@@ -97,7 +97,8 @@ struct ott_layer {
     ggml_tensor * sealed_k  = nullptr; // I8  [D*KB (+ D/4 k_mix), NG, H, n_stream]: group g = D blocks, channel c
                                        // over G tokens (k_mix: each at its width, then the width table)
                                        // (k_young A: slots NG.. hold a ring of A groups at kbits + 1, group g in
-                                       // ring slot g % A: ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT)
+                                       // ring slot g % A: ggml-ott.h, GGML_OTT_K_YOUNG_SHIFT; sealed_v likewise
+                                       // with v_young)
     ggml_tensor * sealed_v  = nullptr; // I8  [G*(D/Gv)*VB, NG, H, n_stream]: token t = D/Gv blocks
     ggml_tensor * pool_kv   = nullptr; // F16 [D, S, 2, H*n_stream]: K rows then V rows; pool slots [0, O), aux [O, S)
     ggml_tensor * pool_meta = nullptr; // I32 [ott_meta_row::len(S), H, n_stream]
@@ -105,11 +106,17 @@ struct ott_layer {
                                        // when a stream's new K/V are not finite
     ggml_ott_params op;                // the layer's shapes and parameters, as the ops take them
     size_t young_kbytes = 0;           // k_young: bytes of one young K group (0: the layer has no young keys)
+    size_t young_vbytes = 0;           // v_young: bytes of one young V group (0: no young values)
 
-    int32_t young() const { return ggml_ott_k_young(&op); }
+    int32_t young_k() const { return ggml_ott_k_young(&op); }
+    int32_t young_v() const { return ggml_ott_v_young(&op); }
     // byte offset in sealed_k of group g's young keys (stream s, head h): ring slot g % A after the NG group slots
-    size_t young_offset(int32_t s, int32_t h, int32_t g) const {
-        return s*sealed_k->nb[3] + h*sealed_k->nb[2] + (size_t) op.NG*sealed_k->nb[1] + (size_t) (g % young())*young_kbytes;
+    size_t young_k_offset(int32_t s, int32_t h, int32_t g) const {
+        return s*sealed_k->nb[3] + h*sealed_k->nb[2] + (size_t) op.NG*sealed_k->nb[1] + (size_t) (g % young_k())*young_kbytes;
+    }
+    // the same in sealed_v for group g's young values
+    size_t young_v_offset(int32_t s, int32_t h, int32_t g) const {
+        return s*sealed_v->nb[3] + h*sealed_v->nb[2] + (size_t) op.NG*sealed_v->nb[1] + (size_t) (g % young_v())*young_vbytes;
     }
 };
 

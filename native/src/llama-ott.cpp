@@ -63,6 +63,7 @@ llama_ott_config llama_ott_config_default(void) {
     c.k_mix = 2; // 2- and 3-bit keys mix widths per channel: docs/long-context-keys.md
     c.v_sym = 0; // docs/v-blocks.md; layer_widths all 0: every layer takes the widths of the K/V types
     c.k_young = 0;
+    c.v_young = 0;
     return c;
 }
 
@@ -145,6 +146,9 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.k_young < 0 || c.k_young > OTT_MAX_YOUNG) {
         return "k_young=" + std::to_string(c.k_young) + " is outside [0, " + std::to_string(OTT_MAX_YOUNG) + "]";
+    }
+    if (c.v_young < 0 || c.v_young > OTT_MAX_YOUNG) {
+        return "v_young=" + std::to_string(c.v_young) + " is outside [0, " + std::to_string(OTT_MAX_YOUNG) + "]";
     }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];
