@@ -56,7 +56,8 @@ COST_ORDER = [
     "test_vulkan_ops.py", "test_same_answer.py", "test_quality.py", "test_vulkan.py", "test_cuda_compile.py",
     "test_cuda_emu.py", "test_cli_tools.py", "test_build.py", "test_cuda_bench.py", "test_ott2_cache.py",
     "test_tiers_flag.py", "test_layer_widths.py", "test_neon.py", "test_llama.py", "test_rpc.py", "test_kv_pairs.py",
-    "test_capture.py", "test_served_attention.py", "test_ott2_batch.py", "test_server_load.py", "test_chat.py",
+    "test_capture.py", "test_key_age.py", "test_served_attention.py", "test_ott2_batch.py", "test_server_load.py",
+    "test_chat.py",
 ]  # fmt: skip
 
 
