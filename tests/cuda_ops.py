@@ -10,6 +10,7 @@ then the merge and the seal in one launch (`fused`).
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -64,11 +65,20 @@ class OpsLib:
             if kind == "emu":
                 for op in ("attn", "seal", "attn_part", "attn_merge_seal"):
                     self.ffi.cdef(f"void ott2_emu_{t}_{op}(const ott_cu_args *, void *);")
+                self.ffi.cdef(f"void ott2_emu_{t}_emu_order(int);")
             else:
                 for op in ("attn", "seal", "attn_seal"):
                     self.ffi.cdef(f"int ott2_cudatest_{t}_{op}(const ott_cu_args *);")
         self.lib: Any = self.ffi.dlopen(str(path))
         self.kind = kind
+        self.tags = tags
+
+    def emu_order(self, reverse: bool) -> None:
+        """The emulation's order of blocks, threads, warps and lanes: ascending, or all descending (a race on the
+        GPU shows as bits that depend on it)."""
+        assert self.kind == "emu"
+        for t in self.tags:
+            getattr(self.lib, f"ott2_emu_{t}_emu_order")(int(reverse))
 
     def run(self, tag: str, op: str, args: Any) -> None:
         """op: "attn" (partials, merge), "seal", or "attn_seal" (partials, then merge and seal in one launch)."""
@@ -83,17 +93,32 @@ class OpsLib:
                 raise RuntimeError(f"CUDA error {rc} in {op}")
 
 
-def build_emu(src: Path, tags: list[str], out: Path) -> Path:
-    """The emulation as a shared library: the CUDA kernels' bodies compiled as C++ for this CPU."""
-    lib = out / "libott_cuda_emu_ops.so"
+SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+
+
+def build_emu(src: Path, tags: list[str], out: Path, sanitize: bool = False) -> Path:
+    """The emulation as a shared library: the CUDA kernels' bodies compiled as C++ for this CPU (sanitize: with
+    AddressSanitizer and UndefinedBehaviorSanitizer, whose runtimes a process must preload: sanitizer_env)."""
+    lib = out / ("libott_cuda_emu_asan.so" if sanitize else "libott_cuda_emu_ops.so")
     srcs = [str(src / f"ott2-emu-{t}.cpp") for t in tags]
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the CUDA emulation"
     # -ffp-contract=off: the CUDA kernels' __f*_rn arithmetic is never fused
-    res = tool_cache.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared",
-                          "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
+    res = tool_cache.run([cxx, "-std=c++17", *(SANITIZE if sanitize else ["-O2"]), "-ffp-contract=off", "-Wall",
+                          "-Werror", "-fPIC", "-shared", "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     return lib
+
+
+def sanitizer_env() -> dict[str, str]:
+    """The environment of a process that loads a library built with SANITIZE (g++'s runtimes preloaded, the first
+    error fatal, leaks not counted: the interpreter's own are not the kernels')."""
+    gcc = shutil.which("g++") or "g++"
+    rt = [subprocess.run([gcc, f"-print-file-name={n}"], capture_output=True, text=True).stdout.strip()
+          for n in ("libasan.so", "libubsan.so")]  # fmt: skip
+    assert all(os.path.isabs(p) and os.path.exists(p) for p in rt), f"the sanitizer runtimes are missing: {rt}"
+    return {**os.environ, "LD_PRELOAD": " ".join(rt), "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
+            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}  # fmt: skip
 
 
 def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "native") -> Path:

@@ -6,9 +6,13 @@ streams of ubatches (prefill and decode sizes) go through attention and seal exa
 after each ubatch the attention output must match the reference with the int8 query within fp32 rounding, and
 the state (codes, scales, mins, pools, scores, the tracing flag, the ring) must equal the reference's bit for bit.
 
-What this cannot prove: data races and barrier placement on real hardware (the emulation runs the threads of a
-phase one after another, so a read of a value another thread writes in the same phase goes unnoticed unless
-the order matters), warp scheduling, occupancy, and the exact ulps of the GPU's expf. The GPU test
+Races without a GPU: the emulation runs a launch's blocks, a block's threads and warps and a warp's lanes one
+after another, ascending or (emu_order) all descending; a read of what another thread, warp or block writes
+without a barrier between makes the bits depend on that order, and the order test compares them bit for bit.
+Reads past a shared array or a buffer, which a GPU answers with whatever lies there, and undefined arithmetic:
+the sanitizer test (AddressSanitizer, UndefinedBehaviorSanitizer). What this still cannot prove: barriers the
+GPU needs where the emulation's phases already run in sequence (code between phases is run once here, by every
+thread there), warp scheduling, occupancy, and the exact ulps of the GPU's expf. The GPU test
 (`test_cuda_ops_on_gpu`, run by `make gpu-test` on a CUDA machine) runs the same comparison on the device.
 """
 
@@ -24,7 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cuda_ops import CDEF, LayerState, OpsLib, build_cuda_testlib, build_emu, generate, head_spec, head_tag
+from cuda_ops import (
+    CDEF,
+    LayerState,
+    OpsLib,
+    build_cuda_testlib,
+    build_emu,
+    generate,
+    head_spec,
+    head_tag,
+    sanitizer_env,
+)
 from native_build import built_lib
 
 from ott_gguf import reference as ref
@@ -206,6 +220,79 @@ def test_fused_launch_gives_the_unfused_bits(emu: OpsLib) -> None:
             np.testing.assert_array_equal(arr, two[1].arrays[name], err_msg=f"{name} at {start}")
         start += n
     assert two[1].n_sealed[0] >= 4 and int(two[1].arrays["pmeta"][0, 0, 2 * two[1].S]) == outlier_num
+
+
+@pytest.mark.parametrize("case", rotate(CASES, 5), ids=case_id)
+def test_emulated_ops_do_not_depend_on_the_order_of_threads(emu: OpsLib, case: tuple) -> None:
+    """A race finder without a GPU: two copies of a layer through SCHEDULE, one emulated with blocks, threads,
+    warps and lanes in ascending order, one with all of them descending (the fused merge and seal then runs its
+    merge blocks first). A GPU runs them at once, so where the bits depend on the order (a thread reading what
+    another writes in the same phase, a warp what another warp writes before a barrier, a block another block's
+    output) the kernels race; here the attention outputs and every state tensor must be equal bit for bit after
+    each ubatch. Decode ubatches run with many slices (most of them empty), prefill ubatches fused. Five cases
+    per run in turn (every case under make test-all; the sanitizer test runs both orders of its head config)."""
+    head, D, H, n_head, outlier_num, aux_cap, v_rotate = case
+    cfg = head_config(head, outlier_num, aux_cap, v_rotate)
+    tag = head_tag(*head)
+    rng = np.random.default_rng(11)
+    n_stream, n_total = 2, sum(SCHEDULE)
+    two = [LayerState(cfg, outlier_num, D, H, n_head, n_stream, n_ctx=n_total + 8) for _ in range(2)]
+    kv = [keys_values(rng, n_total, D) for _ in range(n_stream * H)]
+    k_all = np.stack([np.stack([kv[s * H + h][0] for h in range(H)], 1) for s in range(n_stream)])
+    v_all = np.stack([np.stack([kv[s * H + h][1] for h in range(H)], 1) for s in range(n_stream)])
+    start = 0
+    try:
+        for n in SCHEDULE:
+            q = (rng.standard_normal((n_stream, n, n_head, D)) * 0.5).astype(np.float32)
+            k, v = k_all[:, start : start + n], v_all[:, start : start + n]
+            NS = 64 if n <= 4 else 1 + start % 3
+            outs = []
+            for reverse in (False, True):
+                emu.emu_order(reverse)
+                outs.append(two[reverse].step(emu, tag, list(range(n_stream)), q, k, v, NS=NS, fused=n > 4))
+            np.testing.assert_array_equal(
+                outs[0].view(np.uint32), outs[1].view(np.uint32), err_msg=f"output at {start}"
+            )
+            for name, arr in two[0].arrays.items():
+                np.testing.assert_array_equal(arr, two[1].arrays[name], err_msg=f"{name} at {start}")
+            start += n
+    finally:
+        emu.emu_order(False)
+    assert two[1].n_sealed[0] >= 4
+
+
+SANITIZED_RUN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import test_cuda_emu as t
+from cuda_ops import OpsLib
+lib = OpsLib(Path(sys.argv[2]), "emu", [sys.argv[3]])
+cases = [c for c in t.CASES if t.head_tag(*c[0]) == sys.argv[3]]
+for case in cases:
+    for reverse in (False, True):
+        lib.emu_order(reverse)
+        t.run_scenario(lib, case, fused=reverse)
+if sys.argv[3] == t.head_tag(2, 2, 64, 32):
+    t.run_scenario(lib, ((2, 2, 64, 32), 64, 1, 2, 60, 100, False), fused=True)
+print("sanitized", len(cases), flush=True)
+"""
+
+
+@pytest.mark.parametrize("head", rotate(HEADS), ids=lambda h: head_tag(*h))
+def test_emulated_ops_under_address_and_undefined_behaviour_sanitizers(sources: Path, head: tuple,
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    """What a GPU does not report: a read past a shared array or a buffer (the GPU reads whatever lies there), an
+    integer overflow, a shift past the width. The head config's emulation built with AddressSanitizer and
+    UndefinedBehaviorSanitizer runs its cases (both orders, unfused and fused; the pool-heavy case for G 64)
+    against the reference in a process of its own; the first report fails it. One head config per run in turn
+    (build ~25 s), all of them under make test-all."""
+    tag = head_tag(*head)
+    lib = build_emu(sources, [tag], tmp_path, sanitize=True)
+    res = subprocess.run([sys.executable, "-c", SANITIZED_RUN, str(Path(__file__).parent), str(lib), tag],
+                         capture_output=True, text=True, env=sanitizer_env(), timeout=900)  # fmt: skip
+    n = sum(head_tag(*c[0]) == tag for c in CASES)
+    assert res.returncode == 0 and f"sanitized {n}" in res.stdout, (res.stdout + res.stderr)[-6000:]
 
 
 def one_stream_lockstep(lib: OpsLib, tag: str, st: LayerState, cache: ref.OttCache, cfg: ref.OttConfig,
