@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,15 @@ def build_emu(src: Path, tags: list[str], out: Path, sanitize: bool = False) -> 
     return lib
 
 
+def nvcc_flags() -> list[str]:
+    """The floating-point flags the CUDA build compiles the ott units with: ggml-cuda's -use_fast_math, then
+    CMakeLists.txt's OTT_CUDA_FLAGS (IEEE division, square root and subnormals again), so that what the tests
+    compile and run on a GPU is what users run."""
+    m = re.search(r"^set\(OTT_CUDA_FLAGS ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text(), re.M)
+    assert m, "CMakeLists.txt sets no OTT_CUDA_FLAGS"
+    return ["-use_fast_math", *m.group(1).split()]
+
+
 def sanitizer_env() -> dict[str, str]:
     """The environment of a process that loads a library built with SANITIZE (g++'s runtimes preloaded, the first
     error fatal, leaks not counted: the interpreter's own are not the kernels')."""
@@ -124,8 +134,8 @@ def sanitizer_env() -> dict[str, str]:
 def build_cuda_testlib(src: Path, tags: list[str], out: Path, arch: str = "native") -> Path:
     lib = out / "libott_cuda_test.so"
     srcs = [str(src / f"ott2-cuda-{t}.cu") for t in tags]
-    res = tool_cache.run(["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-shared", "-Xcompiler",
-                          "-fPIC", "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
+    res = tool_cache.run(["nvcc", "-O3", "-std=c++17", *nvcc_flags(), f"-arch={arch}", "-DOTT_CU_TEST_API",
+                          "-shared", "-Xcompiler", "-fPIC", "-I", str(src), *srcs, "-o", str(lib)])  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     return lib
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import pytest
 import tool_cache
+from cuda_ops import nvcc_flags
 
 from helpers import ROOT, TEST_ALL, require_tool, rotate
 
@@ -109,8 +110,8 @@ def head_units(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict
         tags = {h: spec_tag(h) for h in TEST_HEADS}
         objs = {h: out / f"ott2-cuda-{t}.o" for h, t in tags.items()}
         ptx = {h: out / f"ott2-cuda-{t}.ptx" for h, t in tags.items()}  # -keep's name for it
-        cmds = [["nvcc", "-c", "-O3", "-std=c++17", f"-arch={arch}", "-DOTT_CU_TEST_API", "-Xcompiler", "-fPIC",
-                 "-Werror", "all-warnings", "-Xptxas", "-v", "-keep", "-keep-dir", str(out), "-I", str(src),
+        cmds = [["nvcc", "-c", "-O3", "-std=c++17", *nvcc_flags(), f"-arch={arch}", "-DOTT_CU_TEST_API", "-Xcompiler",
+                 "-fPIC", "-Werror", "all-warnings", "-Xptxas", "-v", "-keep", "-keep-dir", str(out), "-I", str(src),
                  str(src / f"ott2-cuda-{t}.cu"), "-o", str(objs[h])] for h, t in tags.items()]  # fmt: skip
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             results = list(pool.map(lambda c, h: tool_cache.run(c, keep=[ptx[h]]), cmds, TEST_HEADS))
@@ -194,8 +195,9 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     # the per-head units (test_cuda_ops_and_test_program_compile, whose report the structure checks read) and on
     # the whole unit under make test-all
     ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
-    cmds = [["nvcc", "-c", "-O3", "-std=c++17", ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}",
-             "-DGGML_USE_CUDA", *inc, str(cu), "-o", str(tmp_path / f"{name}.o")] for name, cu in units]  # fmt: skip
+    cmds = [["nvcc", "-c", "-O3", "-std=c++17", *nvcc_flags(),
+             ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}", "-DGGML_USE_CUDA", *inc, str(cu),
+             "-o", str(tmp_path / f"{name}.o")] for name, cu in units]  # fmt: skip
     for (name, _), res in zip(units, run_all(cmds), strict=True):
         assert res.returncode == 0, res.stderr[-4000:]
         out = subprocess.run(["nm", "-C", str(tmp_path / f"{name}.o")], capture_output=True, text=True,
@@ -321,3 +323,37 @@ def test_attention_group_loop_has_no_block_barrier(ops_ptx: tuple[str, str, str]
         loops, bars = group_loop_barriers(body)
         assert loops >= 2, f"{head} {name}: {loops} item loop markers (want the sealed groups' and the tail's)"
         assert bars == 0, f"{head} {name}: {bars} block barriers inside the group loop"
+
+
+# PTX of floating-point code that is not IEEE: flush-to-zero and approximate division, reciprocal, square root
+NOT_IEEE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z0-9]+(?:\.[a-z0-9]+)*\.(?:ftz|approx)(?:\.[a-z0-9]+)*)", re.M)
+
+
+def not_ieee(body: str) -> set[str]:
+    """The instructions of a PTX function body that are not IEEE, less expf's ex2.approx (attention only)."""
+    return {op for op in NOT_IEEE.findall(body) if not op.startswith("ex2.approx")}
+
+
+def test_stored_state_is_ieee_under_the_builds_flags(ops_ptx: tuple[str, str, str], tmp_path: Path) -> None:
+    """ggml-cuda compiles its units with -use_fast_math; the ott units add OTT_CUDA_FLAGS (CMakeLists.txt), and the
+    per-head units here compile with both (nvcc_flags, as the GPU test library and ott-bench do). Under them no
+    ott kernel flushes subnormals or divides approximately: the seal's codes, scales and pools stay the CPU's bit
+    for bit, and the partials' int8 query (127/amax) and the merge's 1/L round as the emulation's. The control:
+    the same unit under -use_fast_math alone has such instructions in the seal, so the check sees them."""
+    head, ptx, _ = ops_ptx
+    entries = ptx_entries(ptx)
+    kernels = {n: b for n, b in entries.items() if re.search(r"_(seal|attn_part|attn_merge)", n)}
+    assert len(kernels) == 7, (head, list(kernels))  # seal, merge, merge+seal, 4 partials instances
+    bad = {n: not_ieee(b) for n, b in kernels.items() if not_ieee(b)}
+    assert not bad, (head, bad)
+    if head != rotate(TEST_HEADS)[0]:
+        return
+    src = tmp_path / "src"
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "cuda", "--out", str(src), "--cuda-heads",
+                    head], check=True)  # fmt: skip
+    out = tmp_path / "fast.ptx"
+    res = tool_cache.run(["nvcc", "-ptx", "-O3", "-std=c++17", "-use_fast_math", f"-arch={STRUCT_ARCH}", "-I",
+                          str(src), str(src / f"ott2-cuda-{spec_tag(head)}.cu"), "-o", str(out)])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    fast = {n: not_ieee(b) for n, b in ptx_entries(out.read_text()).items() if re.search(r"_seal11", n)}
+    assert fast and all(fast.values()), fast

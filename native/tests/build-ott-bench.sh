@@ -18,10 +18,14 @@ if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
 # keys, k_mix 1) and the quality tier's (docs/tiers.md)
 G=$OUT/gen
 "$PY" gen/generate.py cuda --out "$G" --cuda-heads 2m/2:128:64,2:128:64,3m/2s:128:64
+# the floating-point flags of the CUDA build's ott units: ggml-cuda's -use_fast_math, then CMakeLists.txt's
+# OTT_CUDA_FLAGS (IEEE again where the state is written), so the harness times what users run
+read -r -a FPFLAGS <<< "-use_fast_math $(sed -n 's/^set(OTT_CUDA_FLAGS \(.*\))$/\1/p' CMakeLists.txt)"
+[ "${#FPFLAGS[@]}" -gt 1 ] || { echo "build-ott-bench.sh: no OTT_CUDA_FLAGS in CMakeLists.txt" >&2; exit 1; }
 GENCODE=()
 for a in $ARCHS; do GENCODE+=(-gencode "arch=compute_$a,code=sm_$a"); done
 GENCODE+=(-gencode "arch=compute_${ARCHS##* },code=compute_${ARCHS##* }")
-if ! ${NVCC:-nvcc} -O3 -std=c++17 "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
+if ! ${NVCC:-nvcc} -O3 -std=c++17 "${FPFLAGS[@]}" "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
      "$G/ott2-emu-k2mv2g128x64.cpp" "$G/ott2-emu-k2v2g128x64.cpp" "$G/ott2-emu-k3mv2sg128x64.cpp" -o "$OUT/ott-bench" \
      2> "$OUT/ott-bench.ptxas.txt"; then
   grep -v "^ptxas info\|^    [0-9]* bytes stack" "$OUT/ott-bench.ptxas.txt" | tail -40 >&2
