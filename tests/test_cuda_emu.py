@@ -102,6 +102,12 @@ def case_id(c: tuple) -> str:
 SCHEDULE = [70, 1, 1, 100, 1, 3, 200, 1, 1, 1, 150, 2, 1, 40, 1]
 
 
+def scenario_kv(rng: np.random.Generator, n_stream: int, n_total: int, H: int, D: int) -> tuple[np.ndarray, ...]:
+    """Keys and values [stream, token, KV head, D] of a scenario (helpers.keys_values per stream and head)."""
+    kv = [[keys_values(rng, n_total, D) for _ in range(H)] for _ in range(n_stream)]
+    return tuple(np.stack([np.stack([p[i] for p in per_head], 1) for per_head in kv]) for i in (0, 1))
+
+
 def run_scenario(lib: OpsLib, case: tuple, seed: int = 0, fused: bool = False) -> list[ref.OttCache]:
     """SCHEDULE's ubatches through the ops (fused: the merge and the seal in one launch, as ggml-cuda runs them),
     attention and the whole state checked against the reference after each."""
@@ -114,16 +120,12 @@ def run_scenario(lib: OpsLib, case: tuple, seed: int = 0, fused: bool = False) -
     n_stream = 2
     st = LayerState(cfg, outlier_num, D, H, n_head, n_stream, n_ctx=n_total + 8)
     caches = [ref.OttCache(cfg, 1, H, D) for _ in range(n_stream)]
-    kv = []
-    for _ in range(n_stream):
-        per_head = [keys_values(rng, n_total, D) for _ in range(H)]
-        kv.append((np.stack([p[0] for p in per_head], 1), np.stack([p[1] for p in per_head], 1)))
+    k_all, v_all = scenario_kv(rng, n_stream, n_total, H, D)
     scale = 1.0 / math.sqrt(D)
     start = 0
     for n in SCHEDULE:
         q = (rng.standard_normal((n_stream, n, n_head, D)) * 0.5).astype(np.float32)
-        k = np.stack([kv[s][0][start : start + n] for s in range(n_stream)])
-        v = np.stack([kv[s][1][start : start + n] for s in range(n_stream)])
+        k, v = k_all[:, start : start + n], v_all[:, start : start + n]
         # slices as the cache picks them: 8 (CPU) or many (GPU, most of them empty early on) when decoding
         ns_decode = 8 if start % 2 else 64
         got = st.step(lib, tag, list(range(n_stream)), q, k, v, NS=ns_decode if n <= 4 else 1 + start % 3, fused=fused)
@@ -237,9 +239,7 @@ def test_emulated_ops_do_not_depend_on_the_order_of_threads(emu: OpsLib, case: t
     rng = np.random.default_rng(11)
     n_stream, n_total = 2, sum(SCHEDULE)
     two = [LayerState(cfg, outlier_num, D, H, n_head, n_stream, n_ctx=n_total + 8) for _ in range(2)]
-    kv = [keys_values(rng, n_total, D) for _ in range(n_stream * H)]
-    k_all = np.stack([np.stack([kv[s * H + h][0] for h in range(H)], 1) for s in range(n_stream)])
-    v_all = np.stack([np.stack([kv[s * H + h][1] for h in range(H)], 1) for s in range(n_stream)])
+    k_all, v_all = scenario_kv(rng, n_stream, n_total, H, D)
     start = 0
     try:
         for n in SCHEDULE:
@@ -284,7 +284,7 @@ def test_emulated_ops_under_address_and_undefined_behaviour_sanitizers(sources: 
                                                                        tmp_path: Path) -> None:  # fmt: skip
     """What a GPU does not report: a read past a shared array or a buffer (the GPU reads whatever lies there), an
     integer overflow, a shift past the width. The head config's emulation built with AddressSanitizer and
-    UndefinedBehaviorSanitizer runs its cases (both orders, unfused and fused; the pool-heavy case for G 64)
+    UndefinedBehaviorSanitizer runs its cases (ascending unfused, then descending fused; the pool-heavy case for G 64)
     against the reference in a process of its own; the first report fails it. One head config per run in turn
     (build ~25 s), all of them under make test-all."""
     tag = head_tag(*head)
