@@ -49,6 +49,14 @@ class Scheme:
     age: int = 0
     narrowed: bool = True
     values: bool = False
+    v_bits: int = 2  # sealed values' width (token-wise, rotated) when values
+    v_top: int = 0  # oracle: per query row, its v_top most attended sealed tokens' values exact
+    v_h2o: int = 0  # causal: per sealed group and KV head, the v_h2o tokens that received the most attention
+    #                 before the group sealed (the newest R + G queries' probabilities, summed) served with...
+    v_h2o_bits: int = 16  # ...exact values (16) or values at this width
+    v_h2o_mean: bool = False  # rank by the mean attention per query that saw the token (ZipCache) instead of the sum
+    v_age: int = 0  # the newest v_age sealed groups' values at v_bits + 1 (v_young)
+    v_h2o_random: bool = False  # the control: v_h2o tokens per group drawn at random (seeded by the group)
 
 
 SCHEMES = {
@@ -59,6 +67,28 @@ SCHEMES = {
     "age4": Scheme(age=4),
     "age4+V": Scheme(age=4, values=True),
     "R64": Scheme(R=64, narrowed=False),
+}
+# the quality tier's wide layers: every sealed group's keys at 3 bits (k_mix 2/3/4), values at 2 (rotated), R 64
+_Q = {"age": 1 << 30, "narrowed": False, "values": True, "R": 64}
+SCHEMES |= {
+    "q32": Scheme(**_Q),
+    "q32-keys": Scheme(**{**_Q, "values": False}),
+    "q33": Scheme(**_Q, v_bits=3),
+    "q32+top2": Scheme(**_Q, v_top=2),
+    "q32+top8": Scheme(**_Q, v_top=8),
+    "q32+top32": Scheme(**_Q, v_top=32),
+    "q32+h2o1": Scheme(**_Q, v_h2o=1),
+    "q32+h2o2": Scheme(**_Q, v_h2o=2),
+    "q32+h2o4": Scheme(**_Q, v_h2o=4),
+    "q32+h2o4@4": Scheme(**_Q, v_h2o=4, v_h2o_bits=4),
+    "q32+h2o8@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4),
+    "q32+vage4": Scheme(**_Q, v_age=4),
+    "q32+h2o32m@4": Scheme(**_Q, v_h2o=32, v_h2o_bits=4, v_h2o_mean=True),
+    "q32+rnd8@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4, v_h2o_random=True),
+    "q32+rnd32@4": Scheme(**_Q, v_h2o=32, v_h2o_bits=4, v_h2o_random=True),
+    "q32+h2o2m": Scheme(**_Q, v_h2o=2, v_h2o_mean=True),
+    "q32+h2o8m@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4, v_h2o_mean=True),
+    "ott2+h2o2": Scheme(narrowed=False, values=True, v_h2o=2),
 }
 
 
@@ -76,6 +106,11 @@ class _Layer:
         self.k2 = np.zeros_like(self.k)
         self.k3 = np.zeros_like(self.k)
         self.vq = np.zeros_like(self.v)
+        self.vh = np.zeros_like(self.v)  # v_h2o's served values of the chosen tokens (exact or v_h2o_bits)
+        self.vy = np.zeros_like(self.v)  # v_age's young values (one bit wider)
+        self.recv = np.zeros((cap, n_kv), np.float64)  # attention received so far, summed over query rows
+        self.chosen = np.zeros((cap, n_kv), bool)  # v_h2o's tokens
+        self.n_chosen = [0] * n_kv  # per KV head, groups whose tokens are chosen
         self.n = 0  # positions stored
         self.n_groups = 0  # groups quantized
         self.q: np.ndarray | None = None
@@ -96,7 +131,7 @@ class ServedAttention:
         self.error: BaseException | None = None
         self.c2 = OttConfig(k_bits=2, outlier_num=0)
         self.c3 = OttConfig(k_bits=3, outlier_num=0)
-        self.cv = OttConfig(bits=2)
+        self.cv = {b: OttConfig(bits=b) for b in (2, 3, 4)}
 
     def reset(self, scheme: Scheme | None) -> None:
         """scheme None: llama.cpp's own attention, untouched (the harness's check)."""
@@ -152,8 +187,35 @@ class ServedAttention:
                 src = lay.k3[g0:g1, h].astype(np.float16) if sc.narrowed else k16
                 lay.k2[g0:g1, h] = _quantize_keys_with(src, self.c2, None)
                 if sc.values:
-                    lay.vq[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv)[3]
+                    lay.vq[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits])[3]
+                    if sc.v_age:
+                        lay.vy[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits + 1])[3]
+                    hb = sc.v_h2o_bits
+                    lay.vh[g0:g1, h] = lay.v[g0:g1, h] if hb == 16 else quantize_values(lay.v[g0:g1, h], self.cv[hb])[3]
             lay.n_groups += 1
+
+    def _choose(self, lay: _Layer, h: int, qp: np.ndarray, ptot: np.ndarray) -> None:
+        """v_h2o: for each group that seals for a row of this ubatch (its first sealed query at position (g + 1) G
+        + R - 1) and has no choice yet, the v_h2o tokens with the most attention received from queries before that
+        position (earlier ubatches' rows in recv, this one's rows below it); then recv takes this ubatch's rows."""
+        sc = self.scheme
+        assert sc is not None
+        p1 = ptot.shape[1]
+        g = lay.n_chosen[h]
+        while (g + 1) * G + sc.R - 1 <= qp[-1]:
+            sp, g0, g1 = (g + 1) * G + sc.R - 1, g * G, (g + 1) * G
+            got = lay.recv[g0:g1, h] + ptot[qp < sp, g0:g1].sum(0)
+            if sc.v_h2o_mean:  # queries at positions j..sp-1 saw token j
+                got = got / (sp - np.arange(g0, g1))
+            if g == 0:
+                got[0] = -np.inf  # BOS is served exactly already
+            top = np.argsort(-got, kind="stable")[: sc.v_h2o]
+            if sc.v_h2o_random:
+                top = np.random.default_rng(g * 1000 + h).choice(np.arange(1 if g == 0 else 0, G), sc.v_h2o, False)
+            lay.chosen[g0 + top, h] = True
+            g += 1
+        lay.n_chosen[h] = g
+        lay.recv[:p1, h] += ptot.sum(0)
 
     def _attend(self, lay: _Layer, tt: GgmlTensor) -> None:
         q = lay.q
@@ -169,10 +231,13 @@ class ServedAttention:
         n_sealed = np.maximum(0, (qp + 1 - sc.R) // G)
         sealed = (cols < (n_sealed * G)[:, None]) & (cols > 0) & (not sc.exact)
         young = cols >= (np.maximum(0, n_sealed - sc.age) * G)[:, None]
+        vyoung = sealed & (cols >= (np.maximum(0, n_sealed - sc.v_age) * G)[:, None]) if sc.v_age else None
         rep = self.n_head // self.n_kv
         out = np.empty((n, self.n_head, self.D), np.float32)
+        vals = sc.values and not sc.exact
         for h in range(self.n_kv):
             kx, vx = lay.k[:p1, h], lay.v[:p1, h]
+            ps = []
             for r in range(rep):
                 qh = q[:, h * rep + r].astype(np.float16).astype(np.float32)  # as llama.cpp rounds Q for f16 K
                 s = qh @ kx.T * self.scale
@@ -183,8 +248,23 @@ class ServedAttention:
                 s = np.where(future, -np.inf, s)
                 p = np.exp(s - s.max(1, keepdims=True))
                 p /= p.sum(1, keepdims=True)
-                if sc.values and not sc.exact:
-                    o = (p * sealed) @ lay.vq[:p1, h] + (p * ~sealed) @ vx
+                ps.append(p)
+            if sc.v_h2o and vals:
+                self._choose(lay, h, qp, sum(ps))
+            for r, p in enumerate(ps):
+                if vals:
+                    ps_ = p * sealed
+                    if sc.v_h2o:  # the chosen tokens' values served from vh
+                        ch = lay.chosen[:p1, h][None, :] & sealed
+                        o = (ps_ * ~ch) @ lay.vq[:p1, h] + (p * ch) @ lay.vh[:p1, h] + (p * ~sealed) @ vx
+                    elif vyoung is not None:
+                        o = (ps_ * ~vyoung) @ lay.vq[:p1, h] + (p * vyoung) @ lay.vy[:p1, h] + (p * ~sealed) @ vx
+                    else:
+                        o = ps_ @ lay.vq[:p1, h] + (p * ~sealed) @ vx
+                    if sc.v_top:  # oracle: the row's most attended sealed tokens exact
+                        idx = np.argpartition(-ps_, sc.v_top - 1, axis=1)[:, : sc.v_top]
+                        pw = np.take_along_axis(ps_, idx, 1)
+                        o += np.einsum("nm,nmd->nd", pw, vx[idx] - lay.vq[:p1, h][idx])
                 else:
                     o = p @ vx
                 out[:, h * rep + r] = o
