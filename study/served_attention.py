@@ -53,7 +53,7 @@ class Scheme:
     v_bits: int = 2  # sealed values' width (token-wise, rotated) when values
     v_top: int = 0  # oracle: per query row, its v_top most attended sealed tokens' values exact
     v_h2o: int = 0  # causal: per sealed group and KV head, the v_h2o tokens that received the most attention
-    #                 before the group sealed (the newest R + G queries' probabilities, summed) served with...
+    #                 from the queries before the group sealed (their probabilities, summed) served with...
     v_h2o_bits: int = 16  # ...exact values (16) or values at this width
     v_h2o_mean: bool = False  # rank by the mean attention per query that saw the token (ZipCache) instead of the sum
     v_age: int = 0  # the newest v_age sealed groups' values at v_bits + 1 (v_young)
@@ -75,13 +75,8 @@ SCHEMES |= {
     "q32": Scheme(**_Q),
     "q32-keys": Scheme(**{**_Q, "values": False}),
     "q33": Scheme(**_Q, v_bits=3),
-    "q32+top2": Scheme(**_Q, v_top=2),
     "q32+top8": Scheme(**_Q, v_top=8),
-    "q32+top32": Scheme(**_Q, v_top=32),
-    "q32+h2o1": Scheme(**_Q, v_h2o=1),
     "q32+h2o2": Scheme(**_Q, v_h2o=2),
-    "q32+h2o4": Scheme(**_Q, v_h2o=4),
-    "q32+h2o4@4": Scheme(**_Q, v_h2o=4, v_h2o_bits=4),
     "q32+h2o8@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4),
     "q32+vage4": Scheme(**_Q, v_age=4),
     "q32+h2o32m@4": Scheme(**_Q, v_h2o=32, v_h2o_bits=4, v_h2o_mean=True),
@@ -89,7 +84,6 @@ SCHEMES |= {
     "q32+rnd32@4": Scheme(**_Q, v_h2o=32, v_h2o_bits=4, v_h2o_random=True),
     "q32+h2o2m": Scheme(**_Q, v_h2o=2, v_h2o_mean=True),
     "q32+h2o8m@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4, v_h2o_mean=True),
-    "ott2+h2o2": Scheme(narrowed=False, values=True, v_h2o=2),
 }
 
 
@@ -191,8 +185,8 @@ class ServedAttention:
                     lay.vq[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits])[3]
                     if sc.v_age:
                         lay.vy[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits + 1])[3]
-                    hb = sc.v_h2o_bits
-                    lay.vh[g0:g1, h] = lay.v[g0:g1, h] if hb == 16 else quantize_values(lay.v[g0:g1, h], self.cv[hb])[3]
+                    if sc.v_h2o and sc.v_h2o_bits != 16:  # exact chosen values are served from lay.v itself
+                        lay.vh[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_h2o_bits])[3]
             lay.n_groups += 1
 
     def _choose(self, lay: _Layer, h: int, qp: np.ndarray, ptot: np.ndarray) -> None:
@@ -257,7 +251,8 @@ class ServedAttention:
                     ps_ = p * sealed
                     if sc.v_h2o:  # the chosen tokens' values served from vh
                         ch = lay.chosen[:p1, h][None, :] & sealed
-                        o = (ps_ * ~ch) @ lay.vq[:p1, h] + (p * ch) @ lay.vh[:p1, h] + (p * ~sealed) @ vx
+                        vh = vx if sc.v_h2o_bits == 16 else lay.vh[:p1, h]
+                        o = (ps_ * ~ch) @ lay.vq[:p1, h] + (p * ch) @ vh + (p * ~sealed) @ vx
                     elif vyoung is not None:
                         o = (ps_ * ~vyoung) @ lay.vq[:p1, h] + (p * vyoung) @ lay.vy[:p1, h] + (p * ~sealed) @ vx
                     else:
