@@ -83,7 +83,7 @@ def _add_kv_type_args(p: argparse.ArgumentParser, default: str, tier: bool = Tru
                    "128,32,3,32,2,1,2,0)")  # fmt: skip
 
 
-OTT_PARAMS = "G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS[,V_ROTATE[,K_MIX[,V_SYM[,K_YOUNG[,V_YOUNG[,SALIENT]]]]]]"
+OTT_PARAMS = "G,R,OUTLIERS,AUX,NO_OUTLIER_LAYERS[,V_ROTATE[,K_MIX[,V_SYM[,K_YOUNG[,V_YOUNG]]]]]"
 
 
 def parse_ott_params(text: str) -> dict[str, int | bool]:

@@ -31,8 +31,6 @@ K_MIX_DEFAULT = 2  # docs/long-context-keys.md: the measurement that made 2 the 
 V_SYM_BITS = 2  # v_sym stores 2-bit values in symmetric blocks
 K_YOUNG_BITS = 2  # k_young applies to layers with 2-bit keys (their young keys: 3 bits)
 K_YOUNG_MAX = 16  # sealed groups (native llama_ott_config_check's bound)
-SALIENT_MAX = 32  # salient tokens per sealed group (GGML_OTT_SALIENT_MAX)
-SALIENT_PROBE = 32  # the queries before a group's seal whose attention chooses its salient tokens (GGML_OTT_PROBE)
 ROT_BLOCK = 64  # channels per Hadamard block of k_rotate/v_rotate (the head dim must be a multiple)
 
 
@@ -74,12 +72,6 @@ class OttConfig:
     on the CPU only so far. v_young: the same for values (layers with 2-bit values; 3-bit young values, never
     symmetric blocks).
 
-    salient: salient tokens (docs/long-context.md "Salient tokens"): per sealed group and KV head, the `salient`
-    tokens (not the group's outlier winners) that drew the most attention from the SALIENT_PROBE queries before the
-    group's seal keep their keys at 8 bits and their values at 4 bits, token-wise, and attention serves them from
-    there; their group slots get the placeholder, as the winners' do. 0 (the default) is off; at most SALIENT_MAX.
-    The native cache runs it on the CPU only so far, and refuses to cut a sequence within the probe queries.
-
     layer_widths: K/V code widths of some layers, "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3");
     the other layers take the widths of the K/V types (or k_bits/v_bits). Kept in a canonical form (ascending,
     adjacent equal layers merged), so two configurations that give every layer the same widths compare equal.
@@ -104,7 +96,6 @@ class OttConfig:
     v_sym: bool = False
     k_young: int = 0
     v_young: int = 0
-    salient: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_widths, str):
@@ -152,13 +143,6 @@ class OttConfig:
                 raise ValueError(
                     f"ott_config.{name} must be in [0, {K_YOUNG_MAX}] (sealed groups), got {getattr(self, name)}"
                 )
-        if self.salient > SALIENT_MAX:
-            raise ValueError(f"ott_config.salient must be in [0, {SALIENT_MAX}] (tokens per group), got {self.salient}")
-        if self.salient and self.salient + self.outlier_num >= self.G:
-            raise ValueError(
-                f"ott_config.salient={self.salient} and outlier_num={self.outlier_num} leave no token of a group of "
-                f"G={self.G} for the placeholder's mean"
-            )
         if self.mean not in ("non_outlier", "all"):
             raise ValueError(f"ott_config.mean must be 'non_outlier' or 'all', got {self.mean!r}")
 
@@ -175,8 +159,7 @@ class OttConfig:
     # the fields of the native cache's configuration (C struct llama_ott_config), in its order
     # (all int32 there: v_rotate and v_sym are 0 or 1, k_mix 0, 1 or 2)
     NATIVE_FIELDS = (
-        "G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym", "k_young", "v_young",
-        "salient",
+        "G", "R", "outlier_num", "aux_cap", "no_outlier_layers", "v_rotate", "k_mix", "v_sym", "k_young", "v_young"
     )  # fmt: skip
 
     @classmethod
@@ -222,12 +205,10 @@ class OttConfig:
         return tuple(int(getattr(self, n)) for n in self.NATIVE_FIELDS)
 
     def params_text(self) -> str:
-        """The native fields as llama.cpp's tools of this build take them (--ott-params); k_young, v_young and
-        salient only up to the last one set, so a configuration without them reads as it always did."""
+        """The native fields as llama.cpp's tools of this build take them (--ott-params); k_young and v_young only
+        when set, so a configuration without them reads as it always did."""
         values = self.native()
-        n = len(values)
-        while n > len(values) - 3 and values[n - 1] == 0:
-            n -= 1
+        n = len(values) if self.v_young else len(values) - 1 if self.k_young else len(values) - 2
         return ",".join(str(x) for x in values[:n])
 
     def young_for_layer(self, layer: int | None = None) -> int:

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_types import ROT_BLOCK, SALIENT_PROBE, OttConfig
+from .kv_types import ROT_BLOCK, OttConfig
 from .quantizer import CLIP_ONE, K_CLIP64, BlockFormat, Quantized, dequantize, quantize
 
 # ----------------------------------------------------------------------------------------------------- state
@@ -133,11 +133,6 @@ class SealedGroup:
     young: YoungKeys | None = None
     # values by age (config.v_young): the same for the values, at 3 bits
     young_v: YoungValues | None = None
-    # salient tokens (config.salient): their positions and the fp16 K and V rows their entries serve (8-bit keys,
-    # 4-bit values: salient_quantize), which cover the group's rows (their placeholders) as the pools' do
-    salient_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    salient_k: np.ndarray | None = None  # (n, D) float16
-    salient_v: np.ndarray | None = None  # (n, D) float16
 
     @property
     def v_rotated(self) -> np.ndarray:
@@ -159,8 +154,6 @@ class HeadState:
     pool: Pool  # outlier pool, <= outlier_num entries
     aux: Pool  # aux pool, <= aux_cap entries
     tracing: bool = True
-    # salient tokens: the attention the probe queries gave each token of the group that seals next (units of 2^-16)
-    probe: np.ndarray | None = None  # (G,) int64, None: zeros
 
     @staticmethod
     def empty(G: int, head_dim: int) -> HeadState:
@@ -203,10 +196,6 @@ class HeadState:
         pooled = self.pooled()
         k[pooled.pos] = pooled.k  # cover
         v[pooled.pos] = pooled.v
-        for g in self.groups:  # salient tokens cover their placeholders too (never a pooled token)
-            if len(g.salient_pos):
-                k[g.salient_pos] = g.salient_k
-                v[g.salient_pos] = g.salient_v
         k[n_q:] = self.tail_k
         v[n_q:] = self.tail_v
         return np.arange(self.n_pos, dtype=np.int64), k, v
@@ -509,24 +498,12 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
             # 4. copy the winners' exact K and V into the pool ...
             newcomers = Pool(pos=gpos[won], k=gk[won].copy(), v=gv[won].copy(), score=scores[won])
             state.pool = state.pool.take(~pool_lost).merged(newcomers)
-
-    # salient tokens: the config.salient of the others that the probe queries attended most (ties to the earlier
-    # token), stored apart (8-bit keys, 4-bit values) from their exact rows
-    sal = np.zeros(0, np.int64)
-    if config.salient:
-        att = np.zeros(G, np.int64) if state.probe is None else state.probe
-        others = np.setdiff1d(np.arange(G), won)
-        sal = np.sort(others[np.argsort(-att[others], kind="stable")[: config.salient]])
-        state.probe = None
-    sal_k, sal_v = salient_quantize(gk[sal], gv[sal])
-    # ... and write the placeholder (mean) over the winners and the salient tokens inside the group
-    covered = np.union1d(won, sal)
-    if len(covered):
-        rows = np.ones(G, bool)
-        if config.mean == "non_outlier":
-            rows[covered] = False
-        gk[covered] = group_mean(gk, rows)
-        gv[covered] = group_mean(gv, rows)
+            # ... and write the placeholder (mean) over them inside the group
+            rows = np.ones(G, bool)
+            if config.mean == "non_outlier":
+                rows[won] = False
+            gk[won] = group_mean(gk, rows)
+            gv[won] = group_mean(gv, rows)
 
     # 5. quantize and drop the group from the tail
     k_codes, k_scale, k_min, k_hat, k_rotated, k_widths = quantize_keys(gk, config, key_mix)
@@ -563,60 +540,11 @@ def seal_group(state: HeadState, config: OttConfig, outlier_num: int, key_mix: K
             k_widths=k_widths,
             young=young,
             young_v=young_v,
-            salient_pos=gpos[sal],
-            salient_k=sal_k,
-            salient_v=sal_v,
         )
     )
     state.tail_pos = state.tail_pos[G:]
     state.tail_k = state.tail_k[G:]
     state.tail_v = state.tail_v[G:]
-
-
-def _salient_blocks(x: np.ndarray, levels: int, blk: int) -> np.ndarray:
-    """Rows of fp16 x (n, D) quantized per block of blk channels (scale (max - min)/levels and min, fp16; codes
-    rint((x - m)/d)) and served back as fp16 m + d*code, in fp64 with one rounding per stored value (as the native
-    ott_head_salient_put/get)."""
-    n, D = x.shape
-    xb = x.astype(np.float64).reshape(n, D // blk, blk)
-    mn, mx = xb.min(2, keepdims=True), xb.max(2, keepdims=True)
-    d = ((mx - mn) / levels).astype(np.float16).astype(np.float64)
-    m = mn.astype(np.float16).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(d > 0, np.rint((xb - m) / np.where(d > 0, d, 1.0)), 0.0)
-    codes = np.clip(codes, 0, levels)
-    return (m + d * codes).astype(np.float16).reshape(n, D)
-
-
-def salient_quantize(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Salient tokens' entries as served: keys at 8 bits per token (one scale and min), values at 4 bits per 32
-    channels; fp16 rows (n, D) from fp16 rows."""
-    k16, v16 = np.asarray(k, np.float16), np.asarray(v, np.float16)
-    if len(k16) == 0:
-        return k16.copy(), v16.copy()
-    return _salient_blocks(k16, 255, k16.shape[1]), _salient_blocks(v16, 15, 32)
-
-
-def probe_counts(state: HeadState, q: np.ndarray, q_pos: np.ndarray, config: OttConfig, scale: float) -> None:
-    """Salient tokens: add, for each query row at a probe position of the group that seals next (positions
-    [sp - SALIENT_PROBE, sp), sp = (n_sealed + 1) G + R), its attention to each of that group's tokens, rounded to
-    units of 2^-16, to state.probe (the native merge op's count, within a unit per row)."""
-    G = state.G
-    sp = (state.n_sealed + 1) * G + config.R
-    rows = (q_pos >= sp - SALIENT_PROBE) & (q_pos < sp)
-    if not rows.any():
-        return
-    pos, k, _ = state.served()
-    s = (np.asarray(q, np.float32)[rows] @ k.T).astype(np.float32) * np.float32(scale)
-    s = np.where(pos[None, :] <= q_pos[rows][:, None], s, np.float32(-np.inf))
-    p = np.exp(s - s.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    g0 = state.n_sealed * G
-    cols = p[:, g0 : g0 + G]
-    add = np.floor(cols.astype(np.float32) * np.float32(65536.0) + np.float32(0.5)).astype(np.int64).sum(0)
-    probe = np.zeros(G, np.int64) if state.probe is None else state.probe
-    probe[: len(add)] += add
-    state.probe = probe
 
 
 def seal_eligible(state: HeadState, config: OttConfig, outlier_num: int) -> None:
@@ -645,12 +573,8 @@ def ubatch_splits(start: int, n: int, config: OttConfig, n_ubatch: int) -> list[
 
 
 def can_cut(state: HeadState, p0: int, config: OttConfig) -> bool:
-    """Whether removing positions >= p0 leaves what a fresh run over [0, p0) holds (see the module docstring).
-    Salient tokens: not after the first probe query of the group that seals next, whose counts it would keep."""
-    if p0 <= 0 or p0 >= state.n_pos:
-        return True
-    probe_ok = not config.salient or p0 <= (state.n_sealed + 1) * config.G + config.R - SALIENT_PROBE
-    return sealed_at(p0, config) >= state.n_sealed and probe_ok
+    """Whether removing positions >= p0 leaves what a fresh run over [0, p0) holds (see the module docstring)."""
+    return p0 <= 0 or p0 >= state.n_pos or sealed_at(p0, config) >= state.n_sealed
 
 
 def truncate(state: HeadState, p0: int, config: OttConfig) -> bool:
@@ -661,8 +585,6 @@ def truncate(state: HeadState, p0: int, config: OttConfig) -> bool:
         # nothing left: a fresh state (tracing on again), in place so that holders of `state` see it
         state.__dict__.update(HeadState.empty(state.G, state.head_dim).__dict__)
         return True
-    if p0 < state.n_pos:
-        state.probe = None  # can_cut: every query it counted is at p0 or later
     keep = state.tail_pos < p0
     state.tail_pos = state.tail_pos[keep]
     state.tail_k = state.tail_k[keep]
@@ -833,12 +755,6 @@ class OttCache:
             hs.tail_k = np.concatenate([hs.tail_k, k16[:, h]])
             hs.tail_v = np.concatenate([hs.tail_v, v16[:, h]])
         out = None if q is None else self._attend(heads, q, pos, kq_scale, int8_query)
-        if q is not None and self.config.salient:  # the probe queries' attention, for the next seal's choice
-            per_kv = q.shape[1] // H
-            scale = 1.0 / math.sqrt(D) if kq_scale is None else kq_scale
-            for h, hs in enumerate(heads):
-                rows = np.asarray(q, np.float32)[:, h * per_kv : (h + 1) * per_kv].reshape(n * per_kv, D)
-                probe_counts(hs, rows, np.repeat(pos, per_kv), self.config, scale)
         on = self.config.outliers_for_layer(layer)
         cfg = self.config.for_layer(layer)  # the layer's own code widths (layer_widths)
         for hs in heads:
@@ -945,11 +861,6 @@ def memory_bits(config: OttConfig, head_dim: int, n_tokens: int, layer: int | No
         # keys and values by age: k_young (v_young) groups' keys (values) again at 3 bits (as allocated: the rings
         # are there from the start)
         "young": _young_bits(lc, D),
-        # salient tokens: per sealed group config.salient K entries (D + 8 bytes) and V entries (D/2 + D/8 bytes),
-        # and the G 32-bit probe counters
-        "salient": (8 * (t_q // config.G) * config.salient * (D + 8 + D // 2 + D // 8) + 32 * config.G)
-        if config.salient
-        else 0,
         "v_scale_min": (16 if lc.v_symmetric else 32) * t_q * D / config.Gv,  # v_sym: a scale, no min
         "tail": 2 * 16 * D * t_tail,
         "pools": 2 * 16 * D * slots,

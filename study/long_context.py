@@ -8,8 +8,7 @@ A run is MODEL:CONTEXT:CHUNKS: llama-perplexity over CHUNKS chunks of CONTEXT to
 divergence against f16 with the same command, and the bits per element of each cache at CONTEXT tokens (its own
 allocated bytes, fp16 tail, pools and f16 window layers included, over the K and V elements of CONTEXT tokens in
 every layer). A tier is a K/V pair with its --ott-params (study.tiers.Tier); TIERS names the default set, and
-`--tiers` takes names from it or `K/V@G,R,O,AUX,NOL,VROT,KMIX,VSYM[,YOUNG[,YOUNG_V[,SALIENT]]][#LAYER_WIDTHS]` for
-variants.
+`--tiers` takes names from it or `K/V@G,R,O,AUX,NOL,VROT,KMIX,VSYM[,YOUNG[,YOUNG_V]][#LAYER_WIDTHS]` for variants.
 
 --raw FILE keeps every measured row (JSON lines, with its command and date); rows already in it for the same
 run and tier are reused, not measured again, so the report can be built in several sittings on a shared machine.
@@ -63,11 +62,10 @@ def tier_of(spec: str, model: str) -> Tier:
     g, r, o, aux, nol, vrot, kmix, vsym = values[:8]
     young = values[8] if len(values) > 8 else 0
     young_v = values[9] if len(values) > 9 else 0
-    salient = values[10] if len(values) > 10 else 0
     if g != 128:
         raise ValueError(f"tier {spec!r}: G is 128 in this build")
     return Tier(k, v, bool(vrot), layers=layers, k_mix=bool(kmix) if kmix < 2 else kmix, v_sym=bool(vsym), R=r,
-                outliers=o, aux=aux, nol=nol, young=young, young_v=young_v, salient=salient)  # fmt: skip
+                outliers=o, aux=aux, nol=nol, young=young, young_v=young_v)  # fmt: skip
 
 
 DEFAULT_TIERS: dict[str, Tier] = {

@@ -52,7 +52,6 @@ class Tier:
     nol: int = 2  # no_outlier_layers
     young: int = 0  # k_young: keys by age (docs/long-context.md)
     young_v: int = 0  # v_young: values by age
-    salient: int = 0  # salient tokens per sealed group (docs/long-context.md)
 
     @property
     def label(self) -> str:
@@ -76,17 +75,14 @@ class Tier:
         name += f" NOL={self.nol}" if self.nol != 2 else ""
         name += f" young={self.young}" if self.young else ""
         name += f" youngV={self.young_v}" if self.young_v else ""
-        name += f" salient={self.salient}" if self.salient else ""
         return name + (f" --ott-layers {self.layers}" if self.layers else "")
 
     def args(self) -> list[str]:
         out = ["-ctk", self.k, "-ctv", self.v]
         if self.v_rotate is not None:
-            tail = [self.young, self.young_v, self.salient]
-            while tail and not tail[-1]:  # the trailing options only up to the last one set, as params_text
-                tail.pop()
             out += ["--ott-params", f"128,{self.R},{self.outliers},{self.aux},{self.nol},{int(self.v_rotate)},"
-                    f"{int(self.k_mix)},{int(self.v_sym)}" + "".join(f",{x}" for x in tail)]  # fmt: skip
+                    f"{int(self.k_mix)},{int(self.v_sym)}" + (f",{self.young}" if self.young or self.young_v else "")
+                    + (f",{self.young_v}" if self.young_v else "")]  # fmt: skip
         if self.layers:
             out += ["--ott-layers", self.layers]
         return out
@@ -97,7 +93,7 @@ class Tier:
         return {"v_rotate": self.v_rotate, "layer_widths": self.layers, "k_mix": self.k_mix, "v_sym": self.v_sym,
                 "R": self.R, "outlier_num": self.outliers, "aux_cap": self.aux,
                 "no_outlier_layers": self.nol, "k_young": self.young,
-                "v_young": self.young_v, "salient": self.salient}  # fmt: skip
+                "v_young": self.young_v}  # fmt: skip
 
 
 TIERS = (

@@ -174,9 +174,8 @@ class Native:
 
 
 def lockstep(hk: HeadKernels, cfg: ref.OttConfig, outlier_num: int, k: np.ndarray, v: np.ndarray,
-             ubatches: list[int], attn: np.random.Generator | None = None) -> tuple[ref.HeadState, Native]:  # fmt: skip
-    """Feed the same tokens to the reference and to the native seal kernel; compare after every seal.
-    Salient tokens (cfg.salient): attn draws each group's probe counts (with ties), given to both."""
+             ubatches: list[int]) -> tuple[ref.HeadState, Native]:  # fmt: skip
+    """Feed the same tokens to the reference and to the native seal kernel; compare after every seal."""
     D = k.shape[1]
     st = ref.HeadState.empty(cfg.G, D)
     nat = Native(D)
@@ -189,19 +188,9 @@ def lockstep(hk: HeadKernels, cfg: ref.OttConfig, outlier_num: int, k: np.ndarra
         start += n
         while st.n_pos - (st.n_sealed + 1) * cfg.G >= cfg.R:
             g = st.n_sealed
-            counts = None
-            if cfg.salient:
-                assert attn is not None
-                counts = attn.integers(0, 40, cfg.G).astype(np.uint32) * 1000  # ties
-                st.probe = counts.astype(np.int64)
             res = hk.seal(st.tail_k[: cfg.G], st.tail_v[: cfg.G], g * cfg.G, outlier_num, cfg.aux_cap,
-                          nat.pool, nat.aux, nat.tracing, counts, cfg.salient)  # fmt: skip
+                          nat.pool, nat.aux, nat.tracing)  # fmt: skip
             ref.seal_group(st, cfg, outlier_num)
-            if cfg.salient:
-                assert res.salient is not None
-                got = np.flatnonzero(res.salient) + g * cfg.G
-                np.testing.assert_array_equal(got, st.groups[-1].salient_pos, err_msg=f"salient tokens of group {g}")
-                assert len(got) == cfg.salient
             kq, vq = pack_group(st.groups[-1], cfg)
             np.testing.assert_array_equal(res.kq, kq, err_msg=f"K blocks of group {g}")
             np.testing.assert_array_equal(res.vq, vq, err_msg=f"V blocks of group {g}")

@@ -40,7 +40,7 @@ _ffi.cdef(
     typedef int (*ott_seal_fn)(int D, uint16_t * gk, uint16_t * gv, int32_t pos0, int outlier_num, int aux_cap,
             ott_slot_meta * pool_meta, uint16_t * pool_k, uint16_t * pool_v, int * n_pool,
             ott_slot_meta * aux_meta, uint16_t * aux_k, uint16_t * aux_v, int * n_aux, int * tracing,
-            int vrot, void * kq, void * vq, const uint32_t * attn, int n_salient, uint8_t * salient);
+            int vrot, void * kq, void * vq);
     typedef void (*ott_attn_fn)(int D, const float * q, int32_t q_pos, float scale,
             int n_sealed, const void * kq, const void * vq,
             int n_pooled, const int32_t * pooled_pos, const uint16_t * pooled_k, const uint16_t * pooled_v,
@@ -84,14 +84,6 @@ _ffi.cdef(
         ggml_from_float_t from_float_ref;
     };
     const struct ggml_type_traits * ggml_get_type_traits(int type);
-"""
-    + "".join(
-        f"""
-    void ott_salient_put_{isa}(int D, int row, const uint16_t * k, const uint16_t * v, uint8_t * ke, uint8_t * ve);
-    int ott_salient_get_{isa}(int D, const uint8_t * ke, const uint8_t * ve, uint16_t * k, uint16_t * v);"""
-        for isa in ("scalar", "avx2", "avx512", "avx512vnni")
-    )
-    + """
     size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
                                int64_t n_per_row, const float * imatrix);
     """
@@ -161,7 +153,6 @@ class SealResult:
     aux: PoolArrays
     tracing: bool
     n_won: int
-    salient: np.ndarray | None = None  # (G,) bool: the salient tokens the kernel chose (n_salient > 0)
 
 
 def _u16(a: np.ndarray) -> np.ndarray:
@@ -203,11 +194,8 @@ class HeadKernelSet:
         pool: PoolArrays,
         aux: PoolArrays,
         tracing: bool,
-        attn: np.ndarray | None = None,
-        n_salient: int = 0,
     ) -> SealResult:
-        """Seal one group (gk, gv: (G, D) fp16 as cached) given the head's pools; inputs are not modified.
-        attn (G,) uint32, n_salient: salient tokens (SealResult.salient: the flags the kernel wrote)."""
+        """Seal one group (gk, gv: (G, D) fp16 as cached) given the head's pools; inputs are not modified."""
         G, D = np.shape(gk)
         if G != self.G or D % self.Gv:
             raise ValueError(f"group must be ({self.G}, multiple of {self.Gv}), got {(G, D)}")
@@ -232,15 +220,11 @@ class HeadKernelSet:
         kq = np.zeros(self.k_group_bytes(D), np.uint8)
         vq = np.zeros((G * D // self.Gv, self.v_block_bytes), np.uint8)
         u16 = "uint16_t *"
-        att = np.ascontiguousarray(np.zeros(G, np.uint32) if attn is None else attn, np.uint32)
-        sal = np.zeros(G, np.uint8)
         n_won = self._k.seal(
             D, _ffi.cast(u16, _ffi.from_buffer(gk16)), _ffi.cast(u16, _ffi.from_buffer(gv16)), pos0, outlier_num,
             aux_cap, pm, _ffi.cast(u16, _ffi.from_buffer(pk)), _ffi.cast(u16, _ffi.from_buffer(pv)), pn,
             am, _ffi.cast(u16, _ffi.from_buffer(ak)), _ffi.cast(u16, _ffi.from_buffer(av)), an, tr,
             int(self.vrot), _ffi.from_buffer(kq), _ffi.from_buffer(vq),
-            _ffi.cast("const uint32_t *", _ffi.from_buffer(att)) if n_salient else _ffi.NULL, n_salient,
-            _ffi.cast("uint8_t *", _ffi.from_buffer(sal)) if n_salient else _ffi.NULL,
         )  # fmt: skip
 
         def back(meta: object, k: np.ndarray, v: np.ndarray, n: object) -> PoolArrays:
@@ -252,7 +236,7 @@ class HeadKernelSet:
                 v=v[:m].view(np.float16).copy(),
             )
 
-        return SealResult(kq, vq, back(pm, pk, pv, pn), back(am, ak, av, an), bool(tr[0]), int(n_won), sal.astype(bool))
+        return SealResult(kq, vq, back(pm, pk, pv, pn), back(am, ak, av, an), bool(tr[0]), int(n_won))
 
     def attn(
         self,
@@ -406,20 +390,6 @@ class Kernels:
 
     def cpu_supports(self, isa: str) -> bool:
         return bool(self._lib.ott_cpu_supports(isa.encode()))
-
-    def salient_roundtrip(self, isa: str, k: np.ndarray, v: np.ndarray, row: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """A salient token's K and V entries (ggml-ott.h) from its fp16 rows k, v (D,), read back: (row, k, v)."""
-        D = len(k)
-        kb, vb = _u16(k), _u16(v)
-        ke, ve = np.zeros(D + 8, np.uint8), np.zeros(D // 8 + D // 2, np.uint8)
-        getattr(self._lib, f"ott_salient_put_{isa}")(
-            D, row, _ptr(kb, "uint16_t *"), _ptr(vb, "uint16_t *"), _ptr(ke, "uint8_t *"), _ptr(ve, "uint8_t *")
-        )
-        ko, vo = np.zeros(D, np.uint16), np.zeros(D, np.uint16)
-        got = getattr(self._lib, f"ott_salient_get_{isa}")(
-            D, _ptr(ke, "uint8_t *"), _ptr(ve, "uint8_t *"), _ptr(ko, "uint16_t *"), _ptr(vo, "uint16_t *")
-        )
-        return int(got), ko.view(np.float16), vo.view(np.float16)
 
     def get(self, bits: int, group: int, isa: str, clip: int = 64, sym: bool = False) -> KernelSet:
         for k in self._sets:

@@ -66,19 +66,17 @@ def test_bad_pairs_are_refused_with_the_rule(k: object, v: object, message: str)
         resolve_kv_pair(k, v)  # type: ignore[arg-type]
 
 
-def test_the_c_struct_carries_v_rotate_k_mix_v_sym_k_young_v_young_and_salient_as_its_last_int32s() -> None:
-    assert OttConfig.NATIVE_FIELDS[-6:] == ("v_rotate", "k_mix", "v_sym", "k_young", "v_young", "salient")
-    assert len(OttConfig.NATIVE_FIELDS) == 11
-    assert ctypes.sizeof(_lib.LlamaOttConfig) == 11 * 4 + 256  # then a byte per layer (test_layer_widths.py)
-    assert OttConfig().native()[-6:] == (1, 2, 0, 0, 0, 0)
-    assert OttConfig(v_rotate=False, k_mix=False).native()[-6:] == (0, 0, 0, 0, 0, 0)
-    assert OttConfig(v_sym=True).native()[-4] == 1 and OttConfig(k_young=4, v_young=2).native()[-3:] == (4, 2, 0)
-    assert OttConfig(salient=8).native()[-1] == 8
-    # --ott-params names k_young, v_young and salient only up to the last one set: the default reads as before
+def test_the_c_struct_carries_v_rotate_k_mix_v_sym_k_young_and_v_young_as_its_last_int32s() -> None:
+    assert OttConfig.NATIVE_FIELDS[-5:] == ("v_rotate", "k_mix", "v_sym", "k_young", "v_young")
+    assert len(OttConfig.NATIVE_FIELDS) == 10
+    assert ctypes.sizeof(_lib.LlamaOttConfig) == 10 * 4 + 256  # then a byte per layer (test_layer_widths.py)
+    assert OttConfig().native()[-5:] == (1, 2, 0, 0, 0)
+    assert OttConfig(v_rotate=False, k_mix=False).native()[-5:] == (0, 0, 0, 0, 0)
+    assert OttConfig(v_sym=True).native()[-3] == 1 and OttConfig(k_young=4, v_young=2).native()[-2:] == (4, 2)
+    # --ott-params names k_young and v_young only when set: the tools' default reads as before
     assert OttConfig().params_text() == "128,32,3,32,2,1,2,0"
     assert OttConfig(k_young=4).params_text() == "128,32,3,32,2,1,2,0,4"
     assert OttConfig(v_young=4).params_text() == "128,32,3,32,2,1,2,0,0,4"
-    assert OttConfig(salient=8).params_text() == "128,32,3,32,2,1,2,0,0,0,8"
     c_default = _lib.native().llama_ott_config_default().to_config()  # 128,32,3,32,2,1,2,0: one default
     assert c_default == OttConfig() and c_default.v_rotate is True and c_default.k_mix == 2
     assert c_default.v_sym is False
@@ -89,8 +87,7 @@ def test_the_c_struct_carries_v_rotate_k_mix_v_sym_k_young_v_young_and_salient_a
     for field, value, message in (("k_mix", 3, "k_mix=3 must be 0, 1 (3-bit keys) or 2 (2- and 3-bit keys)"),
                                   ("v_sym", 3, "v_sym=3 must be 0 or 1"),
                                   ("k_young", 17, "k_young=17 is outside [0, 16]"),
-                                  ("v_young", -1, "v_young=-1 is outside [0, 16]"),
-                                  ("salient", 33, "salient=33 is outside [0, 32]")):  # fmt: skip
+                                  ("v_young", -1, "v_young=-1 is outside [0, 16]")):  # fmt: skip
         bad = _lib.native().llama_ott_config_default()
         setattr(bad, field, value)
         assert not _lib.native().llama_ott_config_check(ctypes.byref(bad), why, len(why))

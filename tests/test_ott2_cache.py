@@ -199,11 +199,11 @@ def test_state_save_load_round_trip_and_refusals(smollm2: Path, doc_tokens: list
         flipped[i] ^= 0x10  # bit flips inside the cache's body: refused, never loaded silently
     with pytest.raises(ValueError, match="the state is corrupt"):
         llm.load_state(altered(bytes(flipped)))
-    # a state of the previous format (9: before salient tokens) is refused by its version, naming both
+    # a state of the previous format (8: before k_young) is refused by its version, naming both
     at = raw.index(b"OTT2")
-    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 10
-    old = raw[: at + 4] + (9).to_bytes(4, "little") + raw[at + 8 :]
-    with pytest.raises(ValueError, match="format version 9 \\(an earlier ott-gguf\\); this build reads version 10"):
+    assert int.from_bytes(raw[at + 4 : at + 8], "little") == 9
+    old = raw[: at + 4] + (8).to_bytes(4, "little") + raw[at + 8 :]
+    with pytest.raises(ValueError, match="format version 8 \\(an earlier ott-gguf\\); this build reads version 9"):
         llm.load_state(altered(old))
     # a refused load leaves a cache that still works: the good state loads and continues as before
     llm.load_state(state)

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -78,11 +77,11 @@ struct ott_young {
         vbytes = (size_t) p.G*(p.D/p.Gv)*hk->vb;
         if (AK) {
             ykbytes = ott_head_kbytes(by[1], p.D);
-            GGML_ASSERT(!sk || (size_t) AK*ykbytes <= (size_t) (sk->ne[1] - p.NG)*sk->nb[1]);
+            GGML_ASSERT((size_t) AK*ykbytes <= (size_t) (sk->ne[1] - p.NG)*sk->nb[1]);
         }
         if (AV) {
             yvbytes = (size_t) p.G*(p.D/p.Gv)*by[2]->vb;
-            GGML_ASSERT(!sv || (size_t) AV*yvbytes <= (size_t) (sv->ne[1] - p.NG)*sv->nb[1]);
+            GGML_ASSERT((size_t) AV*yvbytes <= (size_t) (sv->ne[1] - p.NG)*sv->nb[1]);
         }
     }
     bool k_young(int32_t g, int32_t n_sealed) const { return AK && g >= n_sealed - AK; }
@@ -97,33 +96,6 @@ struct ott_young {
     char * v_at(char * base, int32_t g, int32_t NG, bool young) const {
         return young ? base + (size_t) NG*vbytes + (size_t) (g % AV)*yvbytes : base + (size_t) g*vbytes;
     }
-};
-
-// salient tokens (ggml-ott.h, GGML_OTT_SALIENT_SHIFT): M entries per group after the group slots and the young ring's
-// rows of sealed_k (sealed_v), and in sealed_v after them the G probe counters of the group that seals next
-struct ott_salient {
-    int32_t M = 0;
-    size_t skb = 0, svb = 0, k0 = 0, v0 = 0, c0 = 0; // entry bytes; offsets in a head's region
-
-    ott_salient(const ggml_ott_params & p, const ott_young & yk, const ggml_tensor * sk, const ggml_tensor * sv) {
-        M = ggml_ott_salient(&p);
-        if (!M) {
-            return;
-        }
-        skb = ggml_ott_salient_kbytes(p.D);
-        svb = ggml_ott_salient_vbytes(p.D);
-        // the young rings take whole rows (llama_kv_cache_ott's allocation)
-        const size_t yk_rows = yk.AK ? (yk.AK*yk.ykbytes + yk.kbytes - 1)/yk.kbytes : 0;
-        const size_t yv_rows = yk.AV ? (yk.AV*yk.yvbytes + yk.vbytes - 1)/yk.vbytes : 0;
-        k0 = (p.NG + yk_rows)*yk.kbytes;
-        v0 = (p.NG + yv_rows)*yk.vbytes;
-        c0 = v0 + (size_t) p.NG*M*svb;
-        GGML_ASSERT(!sk || k0 + (size_t) p.NG*M*skb <= (size_t) sk->ne[1]*sk->nb[1]);
-        GGML_ASSERT(!sv || (c0 + (size_t) p.G*sizeof(uint32_t) <= (size_t) sv->ne[1]*sv->nb[1] && c0 % sizeof(uint32_t) == 0));
-    }
-    uint8_t * k_entry(char * base, int32_t g, int32_t i) const { return (uint8_t *) base + k0 + ((size_t) g*M + i)*skb; }
-    uint8_t * v_entry(char * base, int32_t g, int32_t i) const { return (uint8_t *) base + v0 + ((size_t) g*M + i)*svb; }
-    uint32_t * counters(char * vbase) const { return (uint32_t *) (vbase + c0); }
 };
 
 ott_views views_of(const ggml_tensor * dst, const ggml_ott_params & p) {
@@ -155,7 +127,6 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     const int64_t NS1 = p.NS + 1; // sealed slices + 1 tail unit
     const int64_t n_tc = (v.n_tok + OTT_TOK_CHUNK - 1) / OTT_TOK_CHUNK;
     const ott_young yk(p, v.sk, v.sv); // the layer's kernels, and those of young groups (k_young, v_young)
-    const ott_salient sal(p, yk, v.sk, v.sv);
     const size_t kbytes = yk.kbytes, vbytes = yk.vbytes;
     // per-thread buffers that keep their capacity across layers and tokens (no allocation per op)
     thread_local std::vector<float> scratch, qb, acc, M, L;
@@ -261,18 +232,6 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
                         cv.insert(cv.end(), pool + (size_t) (p.S + slot)*D, pool + (size_t) (p.S + slot + 1)*D);
                     }
                 }
-                // salient tokens: served from their entries as the pools' tokens are (never a pooled token)
-                for (int32_t i = 0; i < sal.M; ++i) {
-                    const size_t n0 = ck.size();
-                    ck.resize(n0 + D); cv.resize(n0 + D);
-                    const int j = ott_head_salient_get((int) D, sal.k_entry((char *) gk, g, i), sal.v_entry((char *) gv, g, i),
-                                                       &ck[n0], &cv[n0]);
-                    if (j < 0) {
-                        ck.resize(n0); cv.resize(n0);
-                        continue;
-                    }
-                    cj.push_back(j);
-                }
                 // keys and values by age: the newest groups' keys (values) from their rings, at the wider format
                 yk.kernels(g, n_sealed)->attn_group((int) D, (int) nr, qb.data(), p.scale,
                                yk.k_at((char *) gk, g, p.NG, yk.k_young(g, n_sealed)),
@@ -323,46 +282,6 @@ void ott_attn_part(ggml_tensor * dst, int ith, int nth, ggml_threadpool * tp) {
     }
 }
 
-// salient tokens: a probe query (position in [sp - GGML_OTT_PROBE, sp), sp = (n_sealed + 1) G + R: the last queries
-// that see group n_sealed in fp16) adds its attention to each token of that group, rint(p * 2^16), to the group's
-// counters. p = e^(s - M)/L with the row's own M and L (the merge's), s = scale q.k over the token's fp16 key, in a
-// fixed order: the same bits however the batch was split, and an integer sum, the same in any order.
-static void ott_count_probe(ggml_tensor * dst, const ggml_ott_params & p, const ott_salient & sal, int64_t hq,
-                            int64_t tok, int64_t si, int64_t t, int64_t h, float mx, float il) {
-    const ggml_tensor * q = dst->src[2], * kc = dst->src[3], * ring = dst->src[4], * sv = dst->src[5], * plan = dst->src[6];
-    const int64_t n_tok = kc->ne[2] / plan->ne[1];
-    const int32_t * pl = (const int32_t *) plan->data + 4*si;
-    const int32_t s = pl[0], n_pos = pl[1], n_sealed = pl[2];
-    const int32_t G = p.G, R = p.T - p.G, pos = n_pos + (int32_t) t, sp = (n_sealed + 1)*G + R;
-    if (pos < sp - GGML_OTT_PROBE || pos >= sp) {
-        return;
-    }
-    uint32_t * cnt = sal.counters((char *) sv->data + h*sv->nb[2] + s*sv->nb[3]);
-    const float * qr = (const float *) ((const char *) q->data + hq*q->nb[1] + tok*q->nb[2]);
-    const int32_t g0 = n_sealed*G;
-    for (int32_t j = 0; j < G && g0 + j <= pos; ++j) {
-        const int32_t kp = g0 + j;
-        float sc = 0.0f;
-        if (kp < n_pos) { // in the ring, fp16
-            const ggml_fp16_t * kr = (const ggml_fp16_t *) ((const char *) ring->data + h*ring->nb[1] +
-                                                            (kp % p.T)*ring->nb[2] + (2*s)*ring->nb[3]);
-            for (int32_t c = 0; c < p.D; ++c) {
-                sc += qr[c]*GGML_FP16_TO_FP32(kr[c]);
-            }
-        } else { // in this ubatch: rounded to fp16 as the ring will keep it
-            const float * kr = (const float *) ((const char *) kc->data + h*kc->nb[1] + (si*n_tok + (kp - n_pos))*kc->nb[2]);
-            for (int32_t c = 0; c < p.D; ++c) {
-                sc += qr[c]*GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(kr[c]));
-            }
-        }
-        const float pr = expf(sc*p.scale - mx)*il;
-        const uint32_t u = (uint32_t) (pr*65536.0f + 0.5f);
-        if (u) {
-            __atomic_fetch_add(&cnt[j], u, __ATOMIC_RELAXED);
-        }
-    }
-}
-
 // out[hq, token] = sum_k e^(M_k - M) acc_k / sum_k e^(M_k - M) L_k over the NS + 1 states of the row; with
 // rotated V the NS sealed states are in the rotated basis: their sum is turned back once, before the tail's state
 void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
@@ -371,12 +290,6 @@ void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
     const uint32_t D = p.D, gq = p.n_head / p.H;
     const int64_t n_rows = dst->ne[1]*dst->ne[2]; // (query head, token) over every stream
     const int64_t n_tok = part->ne[1] / gq, ns = dst->ne[2] / n_tok, NS1 = part->ne[3] / ns;
-    std::unique_ptr<ott_young> yk; // salient tokens: the probe queries' counts (the merge knows each row's M and L)
-    std::unique_ptr<ott_salient> sal;
-    if (dst->src[2]) {
-        yk.reset(new ott_young(p, nullptr, dst->src[5]));
-        sal.reset(new ott_salient(p, *yk, nullptr, dst->src[5]));
-    }
     for (int64_t i = ith; i < n_rows; i += nth) {
         const int64_t hq = i % dst->ne[1], tok = i / dst->ne[1];
         const int64_t si = tok / n_tok, t = tok % n_tok, h = hq / gq, r = t*gq + hq % gq;
@@ -413,9 +326,6 @@ void ott_attn_merge(ggml_tensor * dst, int ith, int nth) {
         for (uint32_t c = 0; c < D; ++c) {
             out[c] *= il;
         }
-        if (dst->src[2]) {
-            ott_count_probe(dst, p, *sal, hq, tok, si, t, h, mx, il);
-        }
     }
 }
 
@@ -426,12 +336,9 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
     const ott_views v = views_of(dst, p);
     const uint32_t D = p.D, G = p.G, O = (uint32_t) p.outlier_num;
     const ott_young yk(p, v.sk, v.sv);
-    const ott_salient sal(p, yk, v.sk, v.sv);
     const ott_head_kernels * hk = yk.hk;
     const size_t kbytes = yk.kbytes, vbytes = yk.vbytes;
-    std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D), ok, ov;
-    uint8_t chosen[256];
-    GGML_ASSERT(G <= 256);
+    std::vector<uint16_t> gk((size_t) G*D), gv((size_t) G*D);
     for (int64_t u = ith; u < v.ns*p.H; u += nth) {
         const int64_t si = u / p.H;
         const uint32_t h = (uint32_t) (u % p.H);
@@ -453,32 +360,10 @@ void ott_seal(ggml_tensor * dst, int ith, int nth) {
                 }
             }
             int n_pool = meta[2*p.S], n_aux = meta[2*p.S + 1], tracing = meta[2*p.S + 2];
-            // salient tokens: the probe queries counted the group that seals next (a later group sealing in the
-            // same op, which no ubatch split makes, finds its counters at 0 and takes its first tokens)
-            uint32_t * cnt = sal.M ? sal.counters(v.sealed(v.sv, s, h)) : nullptr;
-            if (sal.M) {
-                ok = gk; ov = gv; // the exact rows, before the seal writes placeholders over them
-            }
             hk->seal((int) D, gk.data(), gv.data(), g*(int32_t) G, p.outlier_num, p.aux_cap,
                      slots, pool, pool + (size_t) p.S*D, &n_pool,
                      slots + O, pool + (size_t) O*D, pool + (size_t) (p.S + O)*D, &n_aux, &tracing,
-                     ((p.flags & GGML_OTT_V_ROTATE) != 0), v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes,
-                     cnt, sal.M, sal.M ? chosen : nullptr);
-            if (sal.M) {
-                int32_t i = 0;
-                for (uint32_t t = 0; t < G; ++t) {
-                    if (chosen[t]) {
-                        ott_head_salient_put((int) D, (int) t, &ok[(size_t) t*D], &ov[(size_t) t*D],
-                                             sal.k_entry(v.sealed(v.sk, s, h), g, i), sal.v_entry(v.sealed(v.sv, s, h), g, i));
-                        ++i;
-                    }
-                }
-                for (; i < sal.M; ++i) {
-                    const int16_t none[4] = { -1, 0, 0, 0 };
-                    memcpy(sal.k_entry(v.sealed(v.sk, s, h), g, i), none, sizeof(none));
-                }
-                memset(cnt, 0, (size_t) G*sizeof(uint32_t));
-            }
+                     ((p.flags & GGML_OTT_V_ROTATE) != 0), v.sealed(v.sk, s, h) + g*kbytes, v.sealed(v.sv, s, h) + g*vbytes);
             // keys and values by age: the same keys and values (placeholders written) at the wider formats, into
             // the rings (the slot of the group that has just aged out)
             if (yk.AK) {

@@ -9,10 +9,9 @@ static void ott_check_state(const struct ggml_tensor * ring, const struct ggml_t
         const struct ggml_ott_params * p) {
     GGML_ASSERT(ring->type == GGML_TYPE_F16 && ring->ne[0] == p->D && ring->ne[1] == p->H && ring->ne[2] == p->T &&
                 ring->ne[3] == 2*p->n_stream);
-    const int sal = ggml_ott_salient(p) != 0;
-    GGML_ASSERT(sk->type == GGML_TYPE_I8 && (ggml_ott_k_young(p) || sal ? sk->ne[1] > p->NG : sk->ne[1] == p->NG) &&
+    GGML_ASSERT(sk->type == GGML_TYPE_I8 && (ggml_ott_k_young(p) ? sk->ne[1] > p->NG : sk->ne[1] == p->NG) &&
                 sk->ne[2] == p->H && sk->ne[3] == p->n_stream);
-    GGML_ASSERT(sv->type == GGML_TYPE_I8 && (ggml_ott_v_young(p) || sal ? sv->ne[1] > p->NG : sv->ne[1] == p->NG) &&
+    GGML_ASSERT(sv->type == GGML_TYPE_I8 && (ggml_ott_v_young(p) ? sv->ne[1] > p->NG : sv->ne[1] == p->NG) &&
                 sv->ne[2] == p->H && sv->ne[3] == p->n_stream);
     GGML_ASSERT(pkv->type == GGML_TYPE_F16 && pkv->ne[0] == p->D && pkv->ne[1] == p->S && pkv->ne[2] == 2 &&
                 pkv->ne[3] == (int64_t) p->H*p->n_stream);
@@ -57,22 +56,6 @@ struct ggml_tensor * ggml_ott_attn(struct ggml_context * ctx, struct ggml_tensor
     result->op = GGML_OP_OTT_ATTN;
     result->src[0] = part;
     result->src[1] = flags;
-    return result;
-}
-
-struct ggml_tensor * ggml_ott_attn_counted(struct ggml_context * ctx, struct ggml_tensor * part,
-        int64_t n_tok_all, struct ggml_tensor * flags, struct ggml_tensor * q, struct ggml_tensor * k,
-        struct ggml_tensor * ring, struct ggml_tensor * sealed_v, struct ggml_tensor * plan,
-        const struct ggml_ott_params * p) {
-    GGML_ASSERT(ggml_ott_salient(p) > 0 && ggml_ott_salient(p) <= GGML_OTT_SALIENT_MAX && p->D % 32 == 0);
-    GGML_ASSERT(q->type == GGML_TYPE_F32 && ggml_is_contiguous(q) && q->ne[0] == p->D && q->ne[1] == p->n_head &&
-                q->ne[2] == n_tok_all && k->type == GGML_TYPE_F32 && ggml_is_contiguous(k) && k->ne[0] == p->D &&
-                k->ne[1] == p->H && k->ne[2] == n_tok_all);
-    GGML_ASSERT(ring->type == GGML_TYPE_F16 && sealed_v->type == GGML_TYPE_I8 && sealed_v->ne[1] > p->NG &&
-                plan->type == GGML_TYPE_I32 && plan->ne[0] == 4 && n_tok_all % plan->ne[1] == 0);
-    struct ggml_tensor * result = ggml_ott_attn(ctx, part, n_tok_all, flags, p);
-    struct ggml_tensor * srcs[5] = { q, k, ring, sealed_v, plan };
-    memcpy(result->src + 2, srcs, sizeof(srcs));
     return result;
 }
 

@@ -37,29 +37,6 @@ static inline int32_t ggml_ott_k_young(const struct ggml_ott_params * p) {
 static inline int32_t ggml_ott_v_young(const struct ggml_ott_params * p) {
     return (p->flags >> GGML_OTT_V_YOUNG_SHIFT) & 255;
 }
-// salient tokens (llama_ott_config.salient, docs/long-context.md "Salient tokens"): per sealed group and KV head, the
-// M tokens that drew the most attention from the GGML_OTT_PROBE queries before the group's seal (a query at p sees
-// group g sealed from p = (g + 1) G + R on) also keep their keys at 8 bits and their values at 4 bits, token-wise,
-// in entries after the group slots and young rings of sealed_k / sealed_v, and attention serves those tokens from
-// there as it serves the pools' (their group slots hold the others' mean, as the pools' winners do). The merge op
-// adds each probe query's attention to the group's tokens into per-head counters (G uint32 in units of 2^-16, after
-// the V entries: an integer sum, the same in any order and any split of the batch); the seal ranks by them. M in
-// bits 24..31 of flags (0: none). CPU only so far.
-#define GGML_OTT_SALIENT_SHIFT 24
-#define GGML_OTT_SALIENT_MAX   32
-#define GGML_OTT_PROBE         32
-static inline int32_t ggml_ott_salient(const struct ggml_ott_params * p) {
-    return (p->flags >> GGML_OTT_SALIENT_SHIFT) & 255;
-}
-// one salient token's K entry: int16 row in its group (-1: unused), int16 0, fp16 scale d, fp16 min m, D codes
-// (uint8: k = m + d*code); its V entry: per 32 channels fp16 d and m, then D 4-bit codes (channel 2i in the low
-// nibble of byte i)
-static inline size_t ggml_ott_salient_kbytes(int32_t D) {
-    return 8 + (size_t) D;
-}
-static inline size_t ggml_ott_salient_vbytes(int32_t D) {
-    return (size_t) D/32*4 + (size_t) D/2;
-}
 
 // attention partials: an online-softmax state (acc [D], M, L) per query row and unit
 // -> F32 [D + 2, gq*n_tok, H, ns*(NS + 1)], ns = plan->ne[1], n_tok = q->ne[2] / ns
@@ -73,13 +50,6 @@ GGML_API struct ggml_tensor * ggml_ott_attn_part(struct ggml_context * ctx, stru
 // launch for both, and the OTT_SEAL node launches nothing); the others ignore it
 GGML_API struct ggml_tensor * ggml_ott_attn(struct ggml_context * ctx, struct ggml_tensor * part, int64_t n_tok_all,
         struct ggml_tensor * flags, const struct ggml_ott_params * p);
-
-// the same merge that also counts the attention of the probe queries for salient tokens (ggml_ott_salient(p) > 0):
-// the part op's q, k, ring and plan, and sealed_v, whose counters it adds to
-GGML_API struct ggml_tensor * ggml_ott_attn_counted(struct ggml_context * ctx, struct ggml_tensor * part,
-        int64_t n_tok_all, struct ggml_tensor * flags, struct ggml_tensor * q, struct ggml_tensor * k,
-        struct ggml_tensor * ring, struct ggml_tensor * sealed_v, struct ggml_tensor * plan,
-        const struct ggml_ott_params * p);
 
 // seal the groups the ubatch made eligible and keep its unsealed tokens in the ring (writes the cache's
 // tensors in place); `after` orders it after the layer's attention; flags: I32 [n_stream], set to 1 on

@@ -33,10 +33,6 @@ struct llama_ott_config {
                                // held at 3 bits, and attention reads them from there (0: off; at most 16; such a
                                // cache runs on the CPU only so far: docs/long-context.md "Keys by age")
     int32_t v_young;           // values by age: the same for the values of a 2-bit-value layer (0: off; at most 16)
-    int32_t salient;           // salient tokens: per sealed group and KV head, the `salient` tokens that drew the most
-                               // attention from the 32 queries before the group's seal keep their keys at 8 bits and
-                               // values at 4 (token-wise), their group slots filled with the others' mean (0: off; at
-                               // most 32; CPU only so far: docs/long-context.md "Salient tokens")
     // code widths per layer: 0 (all by default) gives a layer the widths of the K/V types; otherwise
     // K bits * 16 + V bits (0x43: 4-bit keys, 3-bit values). Sensitive layers can take wider codes and the others
     // narrower ones at the same bytes (docs/layer-widths.md).
@@ -44,7 +40,7 @@ struct llama_ott_config {
 };
 
 // The defaults: 128, 32, 3, 32, 2, 1 (docs/fidelity.md says why V is rotated), k_mix 2 (docs/long-context-keys.md), v_sym 0
-// (docs/v-blocks.md), k_young 0, v_young 0, salient 0, no per-layer widths.
+// (docs/v-blocks.md), k_young 0, v_young 0, no per-layer widths.
 LLAMA_API struct llama_ott_config llama_ott_config_default(void);
 
 // Sets cfg->layer_widths from a list of "LAYER[-LAST]:K/V" items separated by commas ("15-24:4/3,0:3/2"; later

@@ -100,10 +100,7 @@ ggml_tensor * llama_ott_build_attn(ggml_context * ctx0, ggml_cgraph * gf, llm_gr
                                             inp->ub_plan, &op);
     ggml_format_name(part, "ott_attn_part-%d", il);
     // the flags tell the merge that the seal below follows it (CUDA runs both in one launch)
-    // salient tokens: the merge also counts the probe queries' attention (it reads q, k and the ring for that)
-    ggml_tensor * out = ggml_ott_salient(&op) ?
-        ggml_ott_attn_counted(ctx0, part, q->ne[2], L->flags, q, k, L->ring, L->sealed_v, inp->ub_plan, &op) :
-        ggml_ott_attn(ctx0, part, q->ne[2], L->flags, &op);
+    ggml_tensor * out = ggml_ott_attn(ctx0, part, q->ne[2], L->flags, &op);
     ggml_format_name(out, "ott_attn-%d", il);
     // the seal reads the cache after this layer's attention (`out` orders it)
     ggml_tensor * seal = ggml_ott_seal(ctx0, out, k, v, L->ring, L->sealed_k, L->sealed_v, L->pool_kv, L->pool_meta,

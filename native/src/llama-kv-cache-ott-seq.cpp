@@ -63,7 +63,6 @@ bool llama_kv_cache_ott::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1)
             continue;
         }
         st.n_pos = p0; // inside the fp16 tail: the ring slots past p0 are simply unused
-        zero_probe_counters(s); // can_cut: every query they counted is at p0 or later
     }
     return true;
 }

@@ -38,12 +38,11 @@ static const uint32_t OTT_STATE_MAGIC   = 0x3254544f; // "OTT2"
 // beside each layer's widths; 7: v_sym likewise (its V blocks are 2 bytes shorter); 8: k_mix 2 (2-bit keys of
 // mixed widths 1/2/3: a 2-bit layer's K blocks may mean either, its flag beside its widths says which); 9: k_young
 // and v_young in the header, and the young keys (values) of the newest sealed groups after each head's sealed K (V)
-// groups; 10: salient in the header, and each head's salient tokens of its sealed groups and probe counters
-// after its pools
-static const uint32_t OTT_STATE_VERSION = 10;
-static const int      OTT_STATE_HDR     = 17; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
+// groups
+static const uint32_t OTT_STATE_VERSION = 9;
+static const int      OTT_STATE_HDR     = 16; // magic, version, G, R, Gv, outlier_num, aux_cap, no_outlier_layers,
                                               // n_layer, K bits, V bits, v_rotate, k_mix, v_sym, k_young,
-                                              // v_young, salient
+                                              // v_young
 static const uint64_t OTT_STATE_MAX_BODY = (uint64_t) 1 << 40;
 
 // FNV-1a, 64 bits: detects truncation-free corruption (bit flips, overwritten ranges) of the body
@@ -101,7 +100,7 @@ void llama_kv_cache_ott::state_write(llama_io_write_i & io, llama_seq_id seq_id,
                                           (uint32_t) cfg.no_outlier_layers, (uint32_t) layers.size(),
                                           (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
                                           (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix, (uint32_t) cfg.v_sym,
-                                          (uint32_t) cfg.k_young, (uint32_t) cfg.v_young, (uint32_t) cfg.salient };
+                                          (uint32_t) cfg.k_young, (uint32_t) cfg.v_young };
     ott_body_writer body;
     state_write_body(body, seq_id);
     const uint64_t len = body.buf.size(), sum = ott_fnv1a(body.buf.data(), body.buf.size());
@@ -162,12 +161,6 @@ void llama_kv_cache_ott::state_write_body(llama_io_write_i & io, llama_seq_id se
                     ott_write_tensor(io, L.pool_kv, pool + (kv*L.op.S)*row, (size_t) mr.n_pool()*row);
                     ott_write_tensor(io, L.pool_kv, pool + (kv*L.op.S + O)*row, (size_t) mr.n_aux()*row);
                 }
-                // salient tokens: the entries of the sealed groups, then the probe counters
-                if (L.salient()) {
-                    ott_write_tensor(io, L.sealed_k, L.sal_k_offset(s, h), L.sal_kbytes(streams[s].n_sealed));
-                    ott_write_tensor(io, L.sealed_v, L.sal_v_offset(s, h), L.sal_vbytes(streams[s].n_sealed));
-                    ott_write_tensor(io, L.sealed_v, L.sal_c_offset(s, h), (size_t) L.op.G*sizeof(uint32_t));
-                }
             }
         }
     }
@@ -195,10 +188,10 @@ void llama_kv_cache_ott::state_read(llama_io_read_i & io, llama_seq_id seq_id, l
                                                    (uint32_t) kv_type.kbits, (uint32_t) kv_type.vbits,
                                                    (uint32_t) cfg.v_rotate, (uint32_t) cfg.k_mix,
                                                    (uint32_t) cfg.v_sym, (uint32_t) cfg.k_young,
-                                                   (uint32_t) cfg.v_young, (uint32_t) cfg.salient };
+                                                   (uint32_t) cfg.v_young };
         const char * names[OTT_STATE_HDR - 2] = { "G", "R", "Gv", "outlier_num", "aux_cap", "no_outlier_layers",
                                                   "n_layer", "K bits", "V bits", "v_rotate", "k_mix", "v_sym",
-                                                  "k_young", "v_young", "salient" };
+                                                  "k_young", "v_young" };
         for (int i = 0; i < OTT_STATE_HDR - 2; ++i) {
             if (hdr[2 + i] != mine[i]) {
                 throw std::runtime_error(std::string(kv_type.name) + ": the state was saved with another "
@@ -338,24 +331,6 @@ void llama_kv_cache_ott::state_read_body(llama_io_read_i & io, llama_seq_id seq_
                 for (int kv = 0; kv < 2; ++kv) {
                     ott_read_tensor(io, L.pool_kv, pool + (kv*L.op.S)*row, (size_t) mr.n_pool()*row);
                     ott_read_tensor(io, L.pool_kv, pool + (kv*L.op.S + O)*row, (size_t) mr.n_aux()*row);
-                }
-                if (L.salient()) {
-                    ott_read_tensor(io, L.sealed_k, L.sal_k_offset(s, h), L.sal_kbytes(rec[2]));
-                    ott_read_tensor(io, L.sealed_v, L.sal_v_offset(s, h), L.sal_vbytes(rec[2]));
-                    ott_read_tensor(io, L.sealed_v, L.sal_c_offset(s, h), (size_t) L.op.G*sizeof(uint32_t));
-                    // attention indexes a group's tokens by an entry's row: -1 (unused) or one of the G
-                    const size_t kb = ggml_ott_salient_kbytes(L.op.D);
-                    std::vector<uint8_t> ke(L.sal_kbytes(rec[2]));
-                    ggml_backend_tensor_get(L.sealed_k, ke.data(), L.sal_k_offset(s, h), ke.size());
-                    for (size_t e = 0; e < ke.size(); e += kb) {
-                        int16_t row;
-                        memcpy(&row, &ke[e], sizeof(row));
-                        if (row < -1 || row >= L.op.G) {
-                            reset_stream_meta((uint32_t) s);
-                            throw std::runtime_error(std::string(kv_type.name) + ": the state's salient token "
-                                                     "entries name rows outside their groups (a corrupt state)");
-                        }
-                    }
                 }
             }
         }

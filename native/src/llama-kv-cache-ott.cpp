@@ -203,26 +203,11 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         const int64_t ykbytes = AK ? (int64_t) ott_head_kbytes(hyk, (int) D) : 0;
         const int64_t yvbytes = AV ? (int64_t) G*(D/Gv)*hyv->vb : 0;
         const int64_t n_young_k = (AK*ykbytes + kbytes - 1)/kbytes, n_young_v = (AV*yvbytes + vbytes - 1)/vbytes;
-        // salient tokens: NG*M entries after the young rows of sealed_k and sealed_v, then G probe counters
-        // (ggml-cpu-ott.cpp, ott_salient); CPU only so far
-        const int32_t M = cfg.salient;
-        if (M && buft != ggml_backend_cpu_buffer_type()) {
-            throw std::runtime_error(std::string(kv_type.name) + ": layer " + std::to_string(il) + " keeps its "
-                                     "cache on " + ggml_backend_buft_name(buft) + ", but salient tokens (salient=" +
-                                     std::to_string(M) + ") run on the CPU only so far: keep the K/V cache on the "
-                                     "CPU (no_kv_offload / -nkvo) or set salient to 0");
-        }
-        if (M && D % 32 != 0) {
-            throw std::runtime_error(std::string(kv_type.name) + ": salient tokens need a head dimension that is a "
-                                     "multiple of 32; layer " + std::to_string(il) + " has " + std::to_string(D));
-        }
-        const int64_t sal_k = M ? ((int64_t) NG*M*ggml_ott_salient_kbytes(D) + kbytes - 1)/kbytes : 0;
-        const int64_t sal_v = M ? ((int64_t) NG*M*ggml_ott_salient_vbytes(D) + (int64_t) G*4 + vbytes - 1)/vbytes : 0;
         ott_layer L;
         L.il = il;
         L.ring      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, H, T, 2*n_stream);
-        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, kbytes, NG + n_young_k + sal_k, H, n_stream);
-        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, vbytes, NG + n_young_v + sal_v, H, n_stream);
+        L.sealed_k  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, kbytes, NG + n_young_k, H, n_stream);
+        L.sealed_v  = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, vbytes, NG + n_young_v, H, n_stream);
         L.pool_kv   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, S, 2, (int64_t) H*n_stream);
         L.pool_meta = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, ott_meta_row::len(S), H, n_stream);
         L.flags     = flags[std::find(ctxs.begin(), ctxs.end(), ctx) - ctxs.begin()];
@@ -247,12 +232,9 @@ llama_kv_cache_ott::llama_kv_cache_ott(const llama_model & model, const llama_cp
         L.op.vbits       = vbits;
         L.op.flags       = (cfg.v_rotate ? GGML_OTT_V_ROTATE : 0) | (kmix ? GGML_OTT_K_MIX : 0) |
                            (vsym ? GGML_OTT_V_SYM : 0) | (ymix ? GGML_OTT_K_YOUNG_MIX : 0) |
-                           (AK << GGML_OTT_K_YOUNG_SHIFT) | (AV << GGML_OTT_V_YOUNG_SHIFT) |
-                           (M << GGML_OTT_SALIENT_SHIFT);
+                           (AK << GGML_OTT_K_YOUNG_SHIFT) | (AV << GGML_OTT_V_YOUNG_SHIFT);
         L.young_kbytes   = (size_t) ykbytes;
         L.young_vbytes   = (size_t) yvbytes;
-        L.sal_k0         = (size_t) (NG + n_young_k)*kbytes;
-        L.sal_v0         = (size_t) (NG + n_young_v)*vbytes;
         L.op.NS          = 1;    // chosen per graph (llama_ott_build_attn)
         L.op.scale       = 1.0f; // the model's, per graph
         bytes_quant += ggml_nbytes(L.sealed_k) + ggml_nbytes(L.sealed_v);
@@ -330,21 +312,8 @@ void llama_kv_cache_ott::reset_stream_meta(uint32_t s) {
     for (ggml_tensor * f : flags) {
         ggml_backend_tensor_set(f, &zero, s*sizeof(int32_t), sizeof(int32_t));
     }
-    zero_probe_counters(s);
     streams[s] = {};
     poisoned[s] = 0;
-}
-
-void llama_kv_cache_ott::zero_probe_counters(uint32_t s) {
-    for (auto & L : layers) {
-        if (!L.salient()) {
-            continue;
-        }
-        const std::vector<uint32_t> zeros(L.op.G, 0);
-        for (int32_t h = 0; h < L.op.H; ++h) {
-            ggml_backend_tensor_set(L.sealed_v, zeros.data(), L.sal_c_offset((int32_t) s, h), zeros.size()*sizeof(uint32_t));
-        }
-    }
 }
 
 // the seal ops' non-finite marks (one tensor per device, CPU or GPU) into `poisoned`

@@ -107,16 +107,6 @@ struct ott_layer {
     ggml_ott_params op;                // the layer's shapes and parameters, as the ops take them
     size_t young_kbytes = 0;           // k_young: bytes of one young K group (0: the layer has no young keys)
     size_t young_vbytes = 0;           // v_young: bytes of one young V group (0: no young values)
-    size_t sal_k0 = 0, sal_v0 = 0;     // salient tokens: where their entries start in a head's sealed_k / sealed_v
-                                       // region (the probe counters follow the V entries)
-
-    int32_t salient() const { return ggml_ott_salient(&op); }
-    size_t sal_kbytes(int32_t n_groups) const { return (size_t) n_groups*salient()*ggml_ott_salient_kbytes(op.D); }
-    size_t sal_vbytes(int32_t n_groups) const { return (size_t) n_groups*salient()*ggml_ott_salient_vbytes(op.D); }
-    size_t sal_k_offset(int32_t s, int32_t h) const { return s*sealed_k->nb[3] + h*sealed_k->nb[2] + sal_k0; }
-    size_t sal_v_offset(int32_t s, int32_t h) const { return s*sealed_v->nb[3] + h*sealed_v->nb[2] + sal_v0; }
-    // the G probe counters (uint32) of (stream s, head h)
-    size_t sal_c_offset(int32_t s, int32_t h) const { return sal_v_offset(s, h) + sal_vbytes(op.NG); }
 
     int32_t young_k() const { return ggml_ott_k_young(&op); }
     int32_t young_v() const { return ggml_ott_v_young(&op); }
@@ -181,13 +171,9 @@ public:
     }
     // whether keeping [0, p0) of a stream with n_sealed sealed groups leaves what a fresh run over those p0
     // positions holds (its sealed groups are ours, its fp16 tail is ours): S(p0) >= n_sealed
-    // Salient tokens also need p0 <= (n_sealed + 1)G + R - GGML_OTT_PROBE: the probe counters hold the attention of
-    // the queries from there on, which a cut after it would keep for removed queries.
     bool can_cut(int32_t n_sealed, int32_t p0) const {
-        return p0 <= 0 || (sealed_at(p0) >= n_sealed &&
-                           (!cfg.salient || p0 <= (n_sealed + 1)*cfg.G + cfg.R - GGML_OTT_PROBE));
+        return p0 <= 0 || sealed_at(p0) >= n_sealed;
     }
-    void zero_probe_counters(uint32_t s); // salient tokens: every layer's and head's, for stream s
 
     // llama-kv-cache-ott-seq.cpp: sequences
     void clear(bool data) override;

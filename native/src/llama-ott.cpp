@@ -64,7 +64,6 @@ llama_ott_config llama_ott_config_default(void) {
     c.v_sym = 0; // docs/v-blocks.md; layer_widths all 0: every layer takes the widths of the K/V types
     c.k_young = 0;
     c.v_young = 0;
-    c.salient = 0;
     return c;
 }
 
@@ -114,7 +113,6 @@ bool llama_ott_config_set_layer_widths(struct llama_ott_config * cfg, const char
 // Upper bounds keep a typo from allocating gigabytes: the tail holds R + G tokens per (layer, head, sequence),
 // the pools outlier_num + aux_cap; the kernels keep the outlier candidates of a group on the stack (64).
 static const int32_t OTT_MAX_R = 8192, OTT_MAX_OUTLIERS = 64, OTT_MAX_AUX = 4096, OTT_MAX_YOUNG = 16;
-static const int32_t OTT_MAX_SALIENT = GGML_OTT_SALIENT_MAX;
 
 std::string llama_ott_config_problem(const llama_ott_config & c) {
     if (c.G != OTT2_HEAD_G) {
@@ -151,13 +149,6 @@ std::string llama_ott_config_problem(const llama_ott_config & c) {
     }
     if (c.v_young < 0 || c.v_young > OTT_MAX_YOUNG) {
         return "v_young=" + std::to_string(c.v_young) + " is outside [0, " + std::to_string(OTT_MAX_YOUNG) + "]";
-    }
-    if (c.salient < 0 || c.salient > OTT_MAX_SALIENT) {
-        return "salient=" + std::to_string(c.salient) + " is outside [0, " + std::to_string(OTT_MAX_SALIENT) + "]";
-    }
-    if (c.salient > 0 && c.salient + c.outlier_num >= c.G) {
-        return "salient=" + std::to_string(c.salient) + " and outlier_num=" + std::to_string(c.outlier_num) +
-               " leave no token of a group of G=" + std::to_string(c.G) + " for the placeholder's mean";
     }
     for (int il = 0; il < LLAMA_OTT_MAX_LAYERS; ++il) {
         const int w = c.layer_widths[il];
