@@ -71,6 +71,10 @@ class Scheme:
     # [(g + 1) G + R - 1 - probe, (g + 1) G + R - 1), every one of which sees every token of the group), not from
     # every query since the token arrived: what a cache can keep exact under a cut of the sequence (0: every query)
     probe: int = 0
+    # keys by attention, not age: the kg_attn sealed groups (per KV head) whose tokens drew the most attention from
+    # the 32 probe queries before their seal hold 3-bit keys, the others 2-bit: at a seal the new group enters the
+    # set when it is not full or when its mass beats the set's smallest, which then drops its 3-bit copy for good
+    kg_attn: int = 0
 
 
 SCHEMES = {
@@ -116,6 +120,10 @@ SCHEMES |= {
     "q22+kvp32_8@8/4": Scheme(**{**_K8, "age": 0, "k_h2o_bits": 8, "v_h2o_bits": 4, "probe": 32}),
     "q22+kvp64_8@8/4": Scheme(**{**_K8, "age": 0, "k_h2o_bits": 8, "v_h2o_bits": 4, "probe": 64}),
     "q32+kvp32_8@8/4": Scheme(**{**_K8, "k_h2o_bits": 8, "v_h2o_bits": 4, "probe": 32}),
+    # keys by age (the newest 4 sealed groups at 3 bits) against keys by attention (the 4 groups with the most)
+    "q22+age4": Scheme(R=64, narrowed=False, values=True, age=4),
+    "q22+ga4": Scheme(R=64, narrowed=False, values=True, kg_attn=4),
+    "q22+ga8": Scheme(R=64, narrowed=False, values=True, kg_attn=8),
 }
 
 
@@ -189,7 +197,9 @@ class ServedAttention:
                 lay.n += n
                 lay.q = q
                 self._seal(lay)
-                if self.scheme.k_h2o and not self.scheme.exact:
+                if self.scheme.kg_attn and not self.scheme.exact:
+                    self._attend_groups(lay, tt)
+                elif self.scheme.k_h2o and not self.scheme.exact:
                     self._attend_chosen(lay, tt)
                 else:
                     self._attend(lay, tt)
@@ -215,7 +225,7 @@ class ServedAttention:
                 k16 = lay.k[g0:g1, h].astype(np.float16)
                 if sc.k_h2o:
                     pass  # keys are quantized when the group's tokens are chosen (_choose_keys)
-                elif sc.age or sc.narrowed:
+                elif sc.age or sc.narrowed or sc.kg_attn:
                     lay.k3[g0:g1, h] = _quantize_keys_with(k16, self.c3, None)
                 if not sc.k_h2o:
                     src = lay.k3[g0:g1, h].astype(np.float16) if sc.narrowed else k16
@@ -329,6 +339,70 @@ class ServedAttention:
                         lay.recv[:p1, h] += psum.sum(0)
                 if gc is not None:
                     self._choose_keys(lay, h, gc)
+                r0 = r1
+            lay.n_chosen[h] = g
+        dst = np.ctypeslib.as_array((ctypes.c_float * (self.D * self.n_head * n)).from_address(tt.data))
+        dst[:] = out.reshape(-1)
+
+    def _attend_groups(self, lay: _Layer, tt: GgmlTensor) -> None:
+        """_attend for kg_attn, in segments split at the seals in the ubatch as _attend_chosen: each segment reads
+        the 3-bit keys of the groups in its KV head's set as it stands; the probe rows' attention to the next group
+        to seal is summed, and at its seal the group enters the set or not."""
+        q = lay.q
+        sc = self.scheme
+        assert q is not None and sc is not None and not sc.narrowed
+        n = q.shape[0]
+        p1 = lay.n
+        qp = np.arange(p1 - n, p1)
+        cols = np.arange(p1)[None, :]
+        rep = self.n_head // self.n_kv
+        out = np.empty((n, self.n_head, self.D), np.float32)
+        probe = 32
+        if not hasattr(lay, "gset"):
+            lay.gset = [dict() for _ in range(self.n_kv)]  # type: ignore[attr-defined]  # group -> mass
+            lay.gmass = np.zeros((self.n_kv, self.cap // G + 1))  # type: ignore[attr-defined]
+        for h in range(self.n_kv):
+            kx, vx, vq = lay.k[:p1, h], lay.v[:p1, h], lay.vq[:p1, h]
+            gset: dict[int, float] = lay.gset[h]  # type: ignore[attr-defined]
+            cuts: list[tuple[int, int | None]] = []
+            g = lay.n_chosen[h]
+            while (g + 1) * G + sc.R - 1 <= qp[-1]:
+                cuts.append(((g + 1) * G + sc.R - 1 - int(qp[0]), g))
+                g += 1
+            r0 = 0
+            for r1, gc in [*cuts, (n, None)]:
+                if r1 > r0:
+                    qr = qp[r0:r1, None]
+                    n_sealed = np.maximum(0, (qr + 1 - sc.R) // G)
+                    sealed = (cols < n_sealed * G) & (cols > 0)
+                    wide = np.zeros(p1, bool)
+                    for gw in gset:
+                        wide[gw * G : (gw + 1) * G] = True
+                    psum = np.zeros((r1 - r0, p1))
+                    for r in range(rep):
+                        qh = q[r0:r1, h * rep + r].astype(np.float16).astype(np.float32)
+                        s2 = qh @ lay.k2[:p1, h].T
+                        s3 = qh @ lay.k3[:p1, h].T
+                        s = np.where(sealed, np.where(wide[None, :], s3, s2), qh @ kx.T) * self.scale
+                        s = np.where(cols > qr, -np.inf, s)
+                        p = np.exp(s - s.max(1, keepdims=True))
+                        p /= p.sum(1, keepdims=True)
+                        psum += p
+                        out[r0:r1, h * rep + r] = (p * sealed) @ vq + (p * ~sealed) @ vx
+                    gp = gc if gc is not None else lay.n_chosen[h] + len(cuts)
+                    sp = (gp + 1) * G + sc.R - 1
+                    w = qp[r0:r1] >= sp - probe
+                    if w.any() and (gp + 1) * G <= p1:
+                        lay.gmass[h, gp] += psum[w, gp * G : (gp + 1) * G].sum()  # type: ignore[attr-defined]
+                if gc is not None:
+                    m = float(lay.gmass[h, gc])  # type: ignore[attr-defined]
+                    if len(gset) < sc.kg_attn:
+                        gset[gc] = m
+                    else:
+                        low = min(gset, key=lambda x: (gset[x], x))  # the smallest mass, the oldest on a tie
+                        if m > gset[low]:
+                            del gset[low]
+                            gset[gc] = m
                 r0 = r1
             lay.n_chosen[h] = g
         dst = np.ctypeslib.as_array((ctypes.c_float * (self.D * self.n_head * n)).from_address(tt.data))
