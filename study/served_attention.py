@@ -38,6 +38,7 @@ from .capture import GgmlTensor, _attn_scale, _ggml, _meta_str, _swa_layers, _to
 from .k_widths import _quantize_keys_with
 
 G = 128
+PROBE = 32  # kg_attn's probe queries before a group's seal
 _F32 = 0
 
 
@@ -72,7 +73,7 @@ class Scheme:
     # every query since the token arrived: what a cache can keep exact under a cut of the sequence (0: every query)
     probe: int = 0
     # keys by attention, not age: the kg_attn sealed groups (per KV head) whose tokens drew the most attention from
-    # the 32 probe queries before their seal hold 3-bit keys, the others 2-bit: at a seal the new group enters the
+    # the PROBE queries before their seal hold 3-bit keys, the others 2-bit: at a seal the new group enters the
     # set when it is not full or when its mass beats the set's smallest, which then drops its 3-bit copy for good
     kg_attn: int = 0
 
@@ -146,7 +147,9 @@ class _Layer:
         self.ks = np.zeros_like(self.k)  # k_h2o's served sealed keys (the chosen tokens' included)
         self.recv = np.zeros((cap, n_kv), np.float64)  # attention received so far, summed over query rows
         self.chosen = np.zeros((cap, n_kv), bool)  # v_h2o's tokens
-        self.n_chosen = [0] * n_kv  # per KV head, groups whose tokens are chosen
+        self.n_chosen = [0] * n_kv  # per KV head, groups whose tokens are chosen (or whose seal is decided)
+        self.gset: list[dict[int, float]] = [{} for _ in range(n_kv)]  # kg_attn: per KV head, wide group -> mass
+        self.gmass = np.zeros((cap // G + 1, n_kv))  # kg_attn: the probe queries' attention to each group
         self.n = 0  # positions stored
         self.n_groups = 0  # groups quantized
         self.q: np.ndarray | None = None
@@ -289,6 +292,29 @@ class ServedAttention:
         kx = lay.k[g0 + top, h]
         lay.ks[g0 + top, h] = kx if sc.k_h2o_bits == 16 else _tokenwise(kx, sc.k_h2o_bits)
 
+    def _segments(self, lay: _Layer, h: int, qp: np.ndarray) -> list[tuple[int, int, int | None, int]]:
+        """This ubatch's rows (positions qp) of KV head h split at the seals in it (a group's first sealed query at
+        (g + 1) G + R - 1; every row before it saw the group exact): (r0, r1, the group whose seal ends the segment
+        or None for the last one, the next group to seal for the segment's rows). Advances lay.n_chosen[h]."""
+        sc = self.scheme
+        assert sc is not None
+        out: list[tuple[int, int, int | None, int]] = []
+        r0, g = 0, lay.n_chosen[h]
+        while (g + 1) * G + sc.R - 1 <= qp[-1]:
+            r1 = (g + 1) * G + sc.R - 1 - int(qp[0])
+            assert r1 >= r0, (r1, r0)
+            out.append((r0, r1, g, g))
+            r0, g = r1, g + 1
+        out.append((r0, len(qp), None, g))
+        lay.n_chosen[h] = g
+        return out
+
+    def _probe_rows(self, qp: np.ndarray, g: int, probe: int) -> np.ndarray:
+        """Which of the rows at positions qp are among the `probe` queries just before group g's seal."""
+        assert self.scheme is not None
+        sp = (g + 1) * G + self.scheme.R - 1
+        return (qp >= sp - probe) & (qp < sp)
+
     def _attend_chosen(self, lay: _Layer, tt: GgmlTensor) -> None:
         """_attend for k_h2o, causal within the ubatch: its rows in segments split at the seal positions of the
         groups that seal in it; after each segment the attention it gave joins recv, and the group whose seal ends
@@ -306,14 +332,7 @@ class ServedAttention:
         for h in range(self.n_kv):
             kx, vx, vq = lay.k[:p1, h], lay.v[:p1, h], lay.vq[:p1, h]
             vc = vx if sc.v_h2o_bits == 16 else vq if sc.v_h2o_bits == sc.v_bits else lay.vh[:p1, h]
-            cuts: list[tuple[int, int | None]] = []
-            g = lay.n_chosen[h]
-            while (g + 1) * G + sc.R - 1 <= qp[-1]:  # rows before (g + 1) G + R - 1 were all seen
-                cuts.append(((g + 1) * G + sc.R - 1 - int(qp[0]), g))
-                g += 1
-            assert all(c >= 0 for c, _ in cuts), cuts
-            r0 = 0
-            for r1, gc in [*cuts, (n, None)]:
+            for r0, r1, gc, gp in self._segments(lay, h, qp):
                 if r1 > r0:
                     qr = qp[r0:r1, None]
                     n_sealed = np.maximum(0, (qr + 1 - sc.R) // G)
@@ -330,17 +349,13 @@ class ServedAttention:
                         o = (p * (sealed & ~ch)) @ vq + (p * ch) @ vc + (p * ~sealed) @ vx
                         out[r0:r1, h * rep + r] = o
                     if sc.probe:  # only the probe rows of the next group to seal count, only for its tokens
-                        gp = gc if gc is not None else lay.n_chosen[h] + len(cuts)
-                        g0p, sp = gp * G, (gp + 1) * G + sc.R - 1
-                        w = qp[r0:r1] >= sp - sc.probe
-                        if w.any() and g0p + G <= p1:
-                            lay.recv[g0p : g0p + G, h] += psum[w, g0p : g0p + G].sum(0)
+                        w = self._probe_rows(qp[r0:r1], gp, sc.probe)
+                        if w.any() and (gp + 1) * G <= p1:  # the group is complete
+                            lay.recv[gp * G : (gp + 1) * G, h] += psum[w, gp * G : (gp + 1) * G].sum(0)
                     else:
                         lay.recv[:p1, h] += psum.sum(0)
                 if gc is not None:
                     self._choose_keys(lay, h, gc)
-                r0 = r1
-            lay.n_chosen[h] = g
         dst = np.ctypeslib.as_array((ctypes.c_float * (self.D * self.n_head * n)).from_address(tt.data))
         dst[:] = out.reshape(-1)
 
@@ -357,20 +372,10 @@ class ServedAttention:
         cols = np.arange(p1)[None, :]
         rep = self.n_head // self.n_kv
         out = np.empty((n, self.n_head, self.D), np.float32)
-        probe = 32
-        if not hasattr(lay, "gset"):
-            lay.gset = [dict() for _ in range(self.n_kv)]  # type: ignore[attr-defined]  # group -> mass
-            lay.gmass = np.zeros((self.n_kv, self.cap // G + 1))  # type: ignore[attr-defined]
         for h in range(self.n_kv):
             kx, vx, vq = lay.k[:p1, h], lay.v[:p1, h], lay.vq[:p1, h]
-            gset: dict[int, float] = lay.gset[h]  # type: ignore[attr-defined]
-            cuts: list[tuple[int, int | None]] = []
-            g = lay.n_chosen[h]
-            while (g + 1) * G + sc.R - 1 <= qp[-1]:
-                cuts.append(((g + 1) * G + sc.R - 1 - int(qp[0]), g))
-                g += 1
-            r0 = 0
-            for r1, gc in [*cuts, (n, None)]:
+            gset = lay.gset[h]
+            for r0, r1, gc, gp in self._segments(lay, h, qp):
                 if r1 > r0:
                     qr = qp[r0:r1, None]
                     n_sealed = np.maximum(0, (qr + 1 - sc.R) // G)
@@ -389,13 +394,11 @@ class ServedAttention:
                         p /= p.sum(1, keepdims=True)
                         psum += p
                         out[r0:r1, h * rep + r] = (p * sealed) @ vq + (p * ~sealed) @ vx
-                    gp = gc if gc is not None else lay.n_chosen[h] + len(cuts)
-                    sp = (gp + 1) * G + sc.R - 1
-                    w = qp[r0:r1] >= sp - probe
-                    if w.any() and (gp + 1) * G <= p1:
-                        lay.gmass[h, gp] += psum[w, gp * G : (gp + 1) * G].sum()  # type: ignore[attr-defined]
+                    w = self._probe_rows(qp[r0:r1], gp, PROBE)
+                    if w.any() and (gp + 1) * G <= p1:  # the group is complete
+                        lay.gmass[gp, h] += psum[w, gp * G : (gp + 1) * G].sum()
                 if gc is not None:
-                    m = float(lay.gmass[h, gc])  # type: ignore[attr-defined]
+                    m = float(lay.gmass[gc, h])
                     if len(gset) < sc.kg_attn:
                         gset[gc] = m
                     else:
@@ -403,8 +406,6 @@ class ServedAttention:
                         if m > gset[low]:
                             del gset[low]
                             gset[gc] = m
-                r0 = r1
-            lay.n_chosen[h] = g
         dst = np.ctypeslib.as_array((ctypes.c_float * (self.D * self.n_head * n)).from_address(tt.data))
         dst[:] = out.reshape(-1)
 
