@@ -49,10 +49,6 @@ def emu(tmp_path_factory: pytest.TempPathFactory) -> OpsLib:
 def vk() -> Iterator[VkWorker]:
     env = dict(os.environ)
     env.setdefault("GGML_VK_VISIBLE_DEVICES", "0")  # lavapipe is a CPU device: ggml-vulkan lists it only if named
-    # llvmpipe without LLVM's optimization passes: these cases run small ubatches, so compiling each head config's
-    # shaders is most of their time on a machine without Mesa's shader cache (CI's, every run): this file took 236 s
-    # cold and 48 s warm with the passes, 134 s cold without them (docs/testing.md, eighteenth session)
-    env.setdefault("GALLIVM_PERF", "nopt")
     w = VkWorker(built_lib("ott_vk_test"), env)
     try:
         assert w.device, "the build has the Vulkan backend but no Vulkan device (lavapipe: mesa-vulkan-drivers)"
