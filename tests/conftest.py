@@ -10,6 +10,10 @@ from pathlib import Path
 # speed on an idle machine (SmolLM2, 500-token prefill and 60 decoded tokens, 2 threads) and 3.5x faster decode on
 # a busy one (docs/testing.md). Set before the native libraries load; the tools the tests start inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# lavapipe (llvmpipe) without LLVM's optimization passes, for every process of the tests: CI's machine starts with
+# no Mesa shader cache, and compiling the ott and ggml-vulkan shaders is most of the Vulkan files' time there;
+# test_vulkan_ops.py and test_vulkan.py together: 288 s -> 184 s of wall cold, 59 s -> 78 s warm (docs/testing.md)
+os.environ.setdefault("GALLIVM_PERF", "nopt")
 
 import pytest  # noqa: E402
 
