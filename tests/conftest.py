@@ -14,6 +14,14 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 # no Mesa shader cache, and compiling the ott and ggml-vulkan shaders is most of the Vulkan files' time there;
 # test_vulkan_ops.py and test_vulkan.py together: 288 s -> 184 s of wall cold, 59 s -> 78 s warm (docs/testing.md)
 os.environ.setdefault("GALLIVM_PERF", "nopt")
+# the compiles that run during the tests (tool_cache.py's misses, the test libraries' build) log their seconds here;
+# the summary at the end sums them: what a machine without the caches (CI's) pays for them. The workers inherit it.
+if "OTT_TEST_COMPILE_LOG" not in os.environ:
+    import tempfile
+
+    _fd, _OWN_COMPILE_LOG = tempfile.mkstemp(prefix="ott-test-compiles-", suffix=".tsv")
+    os.close(_fd)
+    os.environ["OTT_TEST_COMPILE_LOG"] = _OWN_COMPILE_LOG
 
 import pytest  # noqa: E402
 
@@ -91,6 +99,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for path, sec in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{sec:8.1f} s  {100 * sec / total:5.1f}%  {path}")
     terminalreporter.write_line(f"{total:8.1f} s  in all")
+    log = Path(os.environ["OTT_TEST_COMPILE_LOG"])
+    runs: dict[str, list[float]] = {}
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        what, sec = line.split("\t")
+        runs.setdefault(what, []).append(float(sec))
+    compiled = ", ".join(f"{w} {len(s)}x {sum(s):.0f} s" for w, s in sorted(runs.items(), key=lambda kv: -sum(kv[1])))
+    terminalreporter.write_line(f"compiled during the tests (not in the caches): {compiled or 'nothing'}")
+    if log.is_file() and str(log) == globals().get("_OWN_COMPILE_LOG"):
+        log.unlink()
     from helpers import TEST_ALL, rotation
 
     r = rotation()

@@ -11,8 +11,11 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
+
+from tool_cache import log_compile
 
 from ott_gguf import build_info
 
@@ -45,7 +48,10 @@ def build_test_libs() -> Path:
     # the test processes (make test runs two) build in the same tree: one ninja at a time
     with open(bdir / ".ott-test-libs.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        t0 = time.monotonic()
         res = subprocess.run([_cmake(bdir), "--build", str(bdir), "--target", TARGET], capture_output=True, text=True)
+        if "ninja: no work to do" not in res.stdout:
+            log_compile(TARGET, time.monotonic() - t0)
     if res.returncode != 0:
         raise RuntimeError(f"building {TARGET} in {bdir} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
     return bdir

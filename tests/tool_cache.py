@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -97,6 +98,14 @@ def key_of(cmd: list[str], cwd: Path) -> tuple[str, Path | None]:
     return h.hexdigest(), out
 
 
+def log_compile(what: str, seconds: float) -> None:
+    """One line per compile that ran (a miss), appended to OTT_TEST_COMPILE_LOG when set (tests/conftest.py sets it
+    for a run and prints the sums at its end: what a cold machine compiles during the tests)."""
+    if log := os.environ.get("OTT_TEST_COMPILE_LOG"):
+        with open(log, "a") as f:
+            f.write(f"{what}\t{seconds:.1f}\n")
+
+
 def _evict(root: Path) -> None:
     entries = []
     for e in root.iterdir():
@@ -133,7 +142,9 @@ def run(cmd: list[str], cwd: Path | None = None, keep: Sequence[Path] = ()) -> s
             shutil.copy(entry / f"keep.{i}", wd / k)
         os.utime(entry)
         return subprocess.CompletedProcess(cmd, 0, m["stdout"], m["stderr"])
+    t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    log_compile(Path(cmd[0]).name, time.monotonic() - t0)
     if res.returncode == 0 and (out is None or out.is_file()) and all((wd / k).is_file() for k in keep):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
