@@ -132,6 +132,18 @@ def _contiguous(tt: GgmlTensor) -> bool:
     return tt.nb[0] == 4 and tt.nb[1] == 4 * tt.ne[0] and tt.nb[2] == tt.nb[1] * tt.ne[1]
 
 
+def _sealed(qr: np.ndarray, cols: np.ndarray, R: int) -> np.ndarray:
+    """Which positions cols are in sealed groups for the rows at positions qr (position 0, the sink, never is)."""
+    return (cols < np.maximum(0, (qr + 1 - R) // G) * G) & (cols > 0)
+
+
+def _causal_softmax(s: np.ndarray, cols: np.ndarray, qr: np.ndarray) -> np.ndarray:
+    """Softmax over each row of scores s (rows at positions qr, columns at positions cols), the future masked."""
+    s = np.where(cols > qr, -np.inf, s)
+    p = np.exp(s - s.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
 class _Layer:
     """One full-attention layer's history: exact K/V (fp16-rounded, float32), and per KV head the sealed groups'
     served keys at 2 and 3 bits and values, filled as groups complete."""
@@ -335,16 +347,13 @@ class ServedAttention:
             for r0, r1, gc, gp in self._segments(lay, h, qp):
                 if r1 > r0:
                     qr = qp[r0:r1, None]
-                    n_sealed = np.maximum(0, (qr + 1 - sc.R) // G)
-                    sealed = (cols < n_sealed * G) & (cols > 0)
+                    sealed = _sealed(qr, cols, sc.R)
                     ch = sealed & lay.chosen[:p1, h][None, :]
                     psum = np.zeros((r1 - r0, p1))
                     for r in range(rep):
                         qh = q[r0:r1, h * rep + r].astype(np.float16).astype(np.float32)
                         s = np.where(sealed, qh @ lay.ks[:p1, h].T, qh @ kx.T) * self.scale
-                        s = np.where(cols > qr, -np.inf, s)
-                        p = np.exp(s - s.max(1, keepdims=True))
-                        p /= p.sum(1, keepdims=True)
+                        p = _causal_softmax(s, cols, qr)
                         psum += p
                         o = (p * (sealed & ~ch)) @ vq + (p * ch) @ vc + (p * ~sealed) @ vx
                         out[r0:r1, h * rep + r] = o
@@ -378,8 +387,7 @@ class ServedAttention:
             for r0, r1, gc, gp in self._segments(lay, h, qp):
                 if r1 > r0:
                     qr = qp[r0:r1, None]
-                    n_sealed = np.maximum(0, (qr + 1 - sc.R) // G)
-                    sealed = (cols < n_sealed * G) & (cols > 0)
+                    sealed = _sealed(qr, cols, sc.R)
                     wide = np.zeros(p1, bool)
                     for gw in gset:
                         wide[gw * G : (gw + 1) * G] = True
@@ -389,9 +397,7 @@ class ServedAttention:
                         s2 = qh @ lay.k2[:p1, h].T
                         s3 = qh @ lay.k3[:p1, h].T
                         s = np.where(sealed, np.where(wide[None, :], s3, s2), qh @ kx.T) * self.scale
-                        s = np.where(cols > qr, -np.inf, s)
-                        p = np.exp(s - s.max(1, keepdims=True))
-                        p /= p.sum(1, keepdims=True)
+                        p = _causal_softmax(s, cols, qr)
                         psum += p
                         out[r0:r1, h * rep + r] = (p * sealed) @ vq + (p * ~sealed) @ vx
                     w = self._probe_rows(qp[r0:r1], gp, PROBE)
@@ -419,7 +425,6 @@ class ServedAttention:
         sc = self.scheme
         assert sc is not None
         cols = np.arange(p1)[None, :]
-        future = cols > qp[:, None]
         n_sealed = np.maximum(0, (qp + 1 - sc.R) // G)
         sealed = (cols < (n_sealed * G)[:, None]) & (cols > 0) & (not sc.exact)
         young = cols >= (np.maximum(0, n_sealed - sc.age) * G)[:, None]
@@ -437,10 +442,7 @@ class ServedAttention:
                     s2 = qh @ lay.k2[:p1, h].T * self.scale
                     s3 = qh @ lay.k3[:p1, h].T * self.scale if sc.age else s2
                     s = np.where(sealed, np.where(young, s3, s2), s)
-                s = np.where(future, -np.inf, s)
-                p = np.exp(s - s.max(1, keepdims=True))
-                p /= p.sum(1, keepdims=True)
-                ps.append(p)
+                ps.append(_causal_softmax(s, cols, qp[:, None]))
             if sc.v_h2o and vals:
                 self._choose(lay, h, qp, sum(ps))
             for r, p in enumerate(ps):

@@ -102,7 +102,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     log = Path(os.environ["OTT_TEST_COMPILE_LOG"])
     runs: dict[str, list[float]] = {}
     for line in log.read_text().splitlines() if log.is_file() else []:
-        what, sec = line.split("\t")
+        what, sec, *_ = line.split("\t")
         runs.setdefault(what, []).append(float(sec))
     compiled = ", ".join(f"{w} {len(s)}x {sum(s):.0f} s" for w, s in sorted(runs.items(), key=lambda kv: -sum(kv[1])))
     terminalreporter.write_line(f"compiled during the tests (not in the caches): {compiled or 'nothing'}")

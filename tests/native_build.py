@@ -9,6 +9,7 @@ default nor installed (CMakeLists.txt, section 5). The first request builds them
 from __future__ import annotations
 
 import fcntl
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +51,7 @@ def build_test_libs() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         t0 = time.monotonic()
         res = subprocess.run([_cmake(bdir), "--build", str(bdir), "--target", TARGET], capture_output=True, text=True)
-        if "ninja: no work to do" not in res.stdout:
+        if re.search(r"^\[\d+/\d+\] (?:Building|Linking) ", res.stdout, re.M):  # not a build with nothing to do
             log_compile(TARGET, time.monotonic() - t0)
     if res.returncode != 0:
         raise RuntimeError(f"building {TARGET} in {bdir} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")

@@ -32,6 +32,7 @@ print("report of", src.read_text(), file=sys.stderr)
 @pytest.fixture
 def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("OTT_TEST_TOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OTT_TEST_COMPILE_LOG", str(tmp_path / "compiles.tsv"))  # not the run's: no compiler here
     exe = tmp_path / "bin" / "faketool"
     exe.parent.mkdir()
     exe.write_text(TOOL.format(py=sys.executable))
@@ -61,3 +62,6 @@ def test_a_hit_restores_the_output_the_kept_files_and_the_report(tool: Path, tmp
     src.write_text("v2")  # a changed input runs the tool again
     assert compile_once(tool, src, tmp_path / "w3") == ("object of v2", "ptx of v2", "report of v2\n")
     assert (tool.parent / "runs").read_text() == "2"
+    # the compile log (summed at the end of a test run) has the two runs, not the hit: the tool, seconds, output
+    log = [line.split("\t") for line in (tmp_path / "compiles.tsv").read_text().splitlines()]
+    assert [(w, o) for w, _, o in log] == [("faketool", "a.o"), ("faketool", "a.o")], log

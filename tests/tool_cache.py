@@ -98,12 +98,12 @@ def key_of(cmd: list[str], cwd: Path) -> tuple[str, Path | None]:
     return h.hexdigest(), out
 
 
-def log_compile(what: str, seconds: float) -> None:
+def log_compile(what: str, seconds: float, detail: str = "") -> None:
     """One line per compile that ran (a miss), appended to OTT_TEST_COMPILE_LOG when set (tests/conftest.py sets it
     for a run and prints the sums at its end: what a cold machine compiles during the tests)."""
     if log := os.environ.get("OTT_TEST_COMPILE_LOG"):
         with open(log, "a") as f:
-            f.write(f"{what}\t{seconds:.1f}\n")
+            f.write(f"{what}\t{seconds:.1f}\t{detail}\n")
 
 
 def _evict(root: Path) -> None:
@@ -144,7 +144,7 @@ def run(cmd: list[str], cwd: Path | None = None, keep: Sequence[Path] = ()) -> s
         return subprocess.CompletedProcess(cmd, 0, m["stdout"], m["stderr"])
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
-    log_compile(Path(cmd[0]).name, time.monotonic() - t0)
+    log_compile(Path(cmd[0]).name, time.monotonic() - t0, out.name if out else "")
     if res.returncode == 0 and (out is None or out.is_file()) and all((wd / k).is_file() for k in keep):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
