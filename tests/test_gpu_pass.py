@@ -1,0 +1,92 @@
+"""The prepared GPU pass (study/gpu_offline, docs/gpu-offline.md) runs only when a GPU is lent, for minutes: what it
+names must exist before then. Without a GPU: its scripts parse, every pytest selection it runs selects tests, every
+study module it runs accepts the options it passes, and the texts it reads are in the pinned llama.cpp tree. A test
+renamed without the pass would otherwise cost a lease's minutes ("no tests ran")."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _pytest.mark.expression import Expression
+
+from helpers import ROOT
+
+PASS = ROOT / "study" / "gpu_offline"
+PIPELINE = (PASS / "pipeline.sh").read_text()
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in PASS.glob("*.sh")))
+def test_the_pass_scripts_parse(script: str) -> None:
+    res = subprocess.run(["bash", "-n", str(PASS / script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def selections(text: str) -> list[tuple[str, str]]:
+    """(test file, -k expression) of every `$PT FILE -k EXPR` in the pipeline (EXPR quoted or one word); a `$kv` in
+    EXPR takes each value of the `for kv in ...` loop around it, an expression made at run time (`$crashed`) is left
+    out."""
+    out = []
+    for m in re.finditer(r"\$PT (\S+\.py) -k (?:\"([^\"]+)\"|([^\s\"]+))", text):
+        file, expr = m.group(1), m.group(2) or m.group(3)
+        if "$crashed" in expr:
+            continue
+        if "$kv" in expr:
+            loops = re.findall(r"for kv in ([\w ]+);", text[: m.start()])
+            assert loops, f"no `for kv in` loop before {m.group(0)}"
+            out += [(file, expr.replace("$kv", kv)) for kv in loops[-1].split()]
+        else:
+            out.append((file, expr))
+    return out
+
+
+def test_every_pytest_selection_of_the_pass_selects_tests() -> None:
+    """Collected here (the GPU tests are skipped without a GPU, but collected), matched as pytest's -k matches: an
+    expression over substrings of the test's names (its file, its function with its parameters)."""
+    sel = selections(PIPELINE)
+    files = sorted({f for f, _ in sel})
+    # the selections the pass depends on: the kernels against the reference, ott2's GPU logits, batch invariance
+    assert {"test_cuda_emu.py", "test_gpu.py", "test_same_answer.py", "test_build.py"} <= set(files), files
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    for file, expr in sel:
+        names = [[p.lower() for p in i.split("/")[-1].split("::")] for i in ids if i.split("::")[0].endswith(file)]
+        hits = [
+            n for n in names if Expression.compile(expr).evaluate(lambda s, n=n, **_: any(s.lower() in x for x in n))
+        ]
+        assert hits, f'pipeline.sh runs `{file} -k "{expr}"`, which selects none of its {len(names)} tests'
+
+
+def test_every_study_module_of_the_pass_takes_its_options() -> None:
+    runs = re.findall(r"python3 -m (study\.[\w.]+)((?: --[\w-]+(?: [\w-]+)?)*)", PIPELINE)
+    modules = {m for m, _ in runs}
+    assert {"study.random_gguf", "study.gpu_offline.logits_probe", "study.gpu_offline.tensor_probe"} <= modules
+    for module in sorted(modules):
+        res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert res.returncode == 0, (module, res.stderr[-2000:])
+        for opts in (o for m, o in runs if m == module):
+            for opt in re.findall(r"--[\w-]+", opts):
+                assert re.search(rf"{opt}\b", res.stdout), f"pipeline.sh passes {opt} to {module}, which has no {opt}"
+    # the 8B shape it writes, by name
+    assert "llama3-8b" in subprocess.run([sys.executable, "-m", "study.random_gguf", "--help"], cwd=ROOT,
+                                         capture_output=True, text=True).stdout  # fmt: skip
+
+
+def test_the_texts_and_shapes_the_pass_reads_exist() -> None:
+    """The KL divergence step reads three of the pinned llama.cpp's docs; the harness is asked for its shapes."""
+    from ott_gguf import build_info
+
+    docs = Path(str(build_info()["llama_src"])) / "docs"
+    m = re.search(r"cat ((?:\$D/[\w-]+\.md ?)+)>", PIPELINE)
+    assert m, "the KL divergence step's text"
+    for name in re.findall(r"\$D/([\w-]+\.md)", m.group(1)):
+        assert (docs / name).is_file(), f"pipeline.sh reads {name}, which the pinned llama.cpp's docs lack"
+    bench = (ROOT / "native" / "tests" / "ott-bench.cu").read_text()
+    for shape in {"smol", "llama8b"} | set(re.findall(r"for shape in ([\w ]+);", PIPELINE)[0].split()):
+        assert f'{{ "{shape}",' in bench, f"ott-bench has no shape {shape}"
