@@ -20,8 +20,9 @@ from helpers import doc_prefix, f16_logits, kl_divergence
 from helpers import last_logits as logits_now
 
 R, G = 32, 128  # the defaults: query position p sees S(p) = (p - R) // G sealed groups
-# the KLD of k_young 2 over ott2's where queries see 3-7 sealed groups: measured 0.0279 / 0.0365 = 0.76x (ott3/ott2
-# 0.0227), 2026-12-01
+# the KLD of k_young 2 over ott2's where queries see 3 or more sealed groups: measured 0.0279 / 0.0365 = 0.76x
+# (ott3/ott2 0.0227) over 1024 tokens, 2026-12-01; over 768 tokens (3-5 groups) 0.0288 / 0.0412 = 0.70x (ott3/ott2
+# 0.0219), 2026-12-01 (nineteenth session; 1024 tokens read 0.0256 / 0.0399 = 0.64x on the same build)
 YOUNG2_KLD_RATIO = 0.85
 
 
@@ -30,11 +31,12 @@ def sealed_seen(n: int) -> np.ndarray:
 
 
 def test_every_group_young_is_the_3_bit_key_cache_and_older_groups_are_not(smollm2: Path) -> None:
-    """1024 tokens in a 1024 context (7 group slots, all sealed by the end). k_young 8 >= the slots: every sealed
+    """768 tokens in a 768 context (5 group slots, all sealed by the end). k_young 8 >= the slots: every sealed
     group is read at 3 bits, the logits are ott3/ott2's bit for bit. k_young 2: equal to ott3/ott2 where a query
     sees at most 2 sealed groups, different from it where older groups are read at 2 bits, different from ott2
-    wherever a group is sealed at all, and closer to f16 than ott2."""
-    n = 1024
+    wherever a group is sealed at all, and closer to f16 than ott2. (1024 tokens until 2026-12-01: 7 evaluations,
+    the suite's slowest test; 768 keeps every case, 35 s -> 27 s alone.)"""
+    n = 768
     toks = doc_prefix(smollm2, n)
     three = eval_logits(smollm2, "ott3/ott2", toks, n_ctx=n)
     two = eval_logits(smollm2, "ott2", toks, n_ctx=n)
@@ -55,7 +57,7 @@ def test_every_group_young_is_the_3_bit_key_cache_and_older_groups_are_not(smoll
     f16 = f16_logits(smollm2, n)
     kld = {name: kl_divergence(f16, x)[seen > 2].mean() for name, x in (("ott2", two), ("young2", young2),
                                                                          ("ott3/ott2", three))}  # fmt: skip
-    print(f"mean KLD vs f16 where a query sees 3-7 sealed groups: {kld}")
+    print(f"mean KLD vs f16 where a query sees 3-5 sealed groups: {kld}")
     assert kld["ott3/ott2"] < kld["young2"] < YOUNG2_KLD_RATIO * kld["ott2"], kld
 
 
