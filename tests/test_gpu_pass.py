@@ -56,9 +56,8 @@ def test_every_pytest_selection_of_the_pass_selects_tests() -> None:
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     for file, expr in sel:
         names = [[p.lower() for p in i.split("/")[-1].split("::")] for i in ids if i.split("::")[0].endswith(file)]
-        hits = [
-            n for n in names if Expression.compile(expr).evaluate(lambda s, n=n, **_: any(s.lower() in x for x in n))
-        ]
+        k = Expression.compile(expr)
+        hits = [n for n in names if k.evaluate(lambda s, n=n, **_: any(s.lower() in x for x in n))]
         assert hits, f'pipeline.sh runs `{file} -k "{expr}"`, which selects none of its {len(names)} tests'
 
 
@@ -66,16 +65,16 @@ def test_every_study_module_of_the_pass_takes_its_options() -> None:
     runs = re.findall(r"python3 -m (study\.[\w.]+)((?: --[\w-]+(?: [\w-]+)?)*)", PIPELINE)
     modules = {m for m, _ in runs}
     assert {"study.random_gguf", "study.gpu_offline.logits_probe", "study.gpu_offline.tensor_probe"} <= modules
+    helps = {}
     for module in sorted(modules):
         res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
         assert res.returncode == 0, (module, res.stderr[-2000:])
+        helps[module] = res.stdout
         for opts in (o for m, o in runs if m == module):
             for opt in re.findall(r"--[\w-]+", opts):
                 assert re.search(rf"{opt}\b", res.stdout), f"pipeline.sh passes {opt} to {module}, which has no {opt}"
-    # the 8B shape it writes, by name
-    assert "llama3-8b" in subprocess.run([sys.executable, "-m", "study.random_gguf", "--help"], cwd=ROOT,
-                                         capture_output=True, text=True).stdout  # fmt: skip
+    assert "llama3-8b" in helps["study.random_gguf"]  # the 8B shape it writes, by name
 
 
 def test_the_texts_and_shapes_the_pass_reads_exist() -> None:

@@ -126,7 +126,10 @@ def run(cmd: list[str], cwd: Path | None = None, keep: Sequence[Path] = ()) -> s
     root = cache_dir()
     wd = Path(cwd) if cwd else Path.cwd()
     if root is None:
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+        t0 = time.monotonic()
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+        log_compile(Path(cmd[0]).name, time.monotonic() - t0)
+        return res
     key, out = key_of(cmd, wd)
     h = hashlib.sha256(key.encode())
     for k in keep:
