@@ -20,6 +20,11 @@ BENCH_TAGS = ["k2mv2g128x64", "k2v2g128x64", "k3mv2sg128x64"]
 # warps at D 64, 8 at D 128; the merge and the seal in one launch, attn_merge_seal)
 KERNELS = ["attn_part_vec<2,4,16>", "attn_part_vec<4,4,8>", "attn_part_vec<8,2,4>", "attn_part_vec<16,1,4>",
            "attn_merge", "seal", "attn_merge_seal"]  # fmt: skip
+# ott-bench --sweep: ott2's unit also compiles these instances of the partials (OTT_SWEEP_<tag>, the template's SWEEP
+# beside the launcher's <2,4,16> and <4,4,8>)
+SWEEP_TAG = "k2mv2g128x64"
+SWEEP_EXTRA = ["attn_part_vec<2,4,8>", "attn_part_vec<2,4,4>", "attn_part_vec<2,8,8>", "attn_part_vec<2,2,16>",
+               "attn_part_vec<4,4,4>", "attn_part_vec<4,2,8>", "attn_part_vec<4,8,2>"]  # fmt: skip
 
 # (the fused kernel's second parameter, int64_t n_merge, mangles as a trailing l)
 ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:I((?:Li\d+E)+)Ev)?\d+ott_cu_argsl?' for '(sm_\d+)'")
@@ -64,12 +69,12 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     found = ptxas_resources((out / "ott-bench.ptxas.txt").read_text())
     for arch in BENCH_ARCHS:
         for tag in BENCH_TAGS:
-            for k in KERNELS:
+            for k in KERNELS + (SWEEP_EXTRA if tag == SWEEP_TAG else []):
                 r = found.get((f"ott2_cuda_{tag}_{k}", f"sm_{arch}"))
                 assert r is not None and r["regs"] > 0, (tag, k, arch, sorted(found))
                 # no spills at the datacenter architecture either (test_cuda_compile checks the consumer ones)
                 assert r["spill_st"] == r["spill_ld"] == 0, (tag, k, arch, r)
-    assert len(found) == len(BENCH_ARCHS) * len(BENCH_TAGS) * len(KERNELS)
+    assert len(found) == len(BENCH_ARCHS) * (len(BENCH_TAGS) * len(KERNELS) + len(SWEEP_EXTRA))
 
     # the plan without a GPU: the cache's slices (llama.cpp pads -d 4096 -n 16 to 4352 positions: NG 33, NS 9;
     # 32768 to 33024: NG 257, NS 32) and the launchers' grids (SmolLM2: H 3 x (NS + gq 3) partial blocks: a sealed
@@ -82,8 +87,9 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     assert grids == [("4096", "attn_part", "36"), ("4096", "attn_merge", "9"), ("4096", "seal", "3"),
                      ("4096", "merge_seal", "12"), ("32768", "attn_part", "105"), ("32768", "attn_merge", "9"),
                      ("32768", "seal", "3"), ("32768", "merge_seal", "12")]  # fmt: skip
-    bad = subprocess.run([str(exe), "gpt2"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 2 and "usage" in bad.stderr
+    for args in (["gpt2"], ["--plan", "--sweep"], ["--sweep", "all", "all", "ott2u"], ["--fast"]):
+        bad = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "usage" in bad.stderr, args
 
     # the random state and the checks of a GPU run (finite attention output, the fused launch's the same bits, a
     # sealing event with a competition by the seal and by the fused launch, the same group bytes), through the
@@ -92,3 +98,18 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     done = "emulated: attention output finite, the fused launch's the same; sealing event with a competition"
     assert res.stdout.count(done) == 6
+
+    # the sweep's instances and slice counts through the emulation at SmolLM2's shape (the decode step and an
+    # 8-token ubatch): each gives the launcher's output within fp32 rounding (the harness fails otherwise), and
+    # rows per pass alone change no bit (a row's arithmetic does not depend on the rows beside it)
+    res = subprocess.run([str(exe), "--emu", "--sweep", "smol", "4096"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = re.findall(r"^sweep smol +4096 +(\d+) +(\d+) (<[\d,]+>\*?) +(\d+) +- +- +(\S+)$", res.stdout, re.M)
+    # 5 instances at D 64 x 3 slice counts (9, 4, 18) x 2 ubatches
+    assert len(rows) == 30, res.stdout
+    err = {(int(n), int(ns), inst): float(e) for n, ns, inst, _, e in rows}
+    assert err[(1, 9, "<2,4,16>*")] == err[(8, 9, "<2,4,16>*")] == 0.0  # the launcher against itself
+    assert err[(1, 9, "<2,2,16>")] == err[(8, 9, "<2,2,16>")] == 0.0  # other rows per pass, the same warps
+    assert max(err.values()) <= 1e-4 and max(err.values()) > 0.0  # other warps or slices: another summation order
+    grids = {(int(n), int(ns)): int(g) for n, ns, _, g, _ in rows}
+    assert grids[(1, 9)] == 36 and grids[(1, 18)] == 63  # H 3 x (NS + gq 3)

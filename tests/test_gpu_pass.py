@@ -89,3 +89,8 @@ def test_the_texts_and_shapes_the_pass_reads_exist() -> None:
     bench = (ROOT / "native" / "tests" / "ott-bench.cu").read_text()
     for shape in {"smol", "llama8b"} | set(re.findall(r"for shape in ([\w ]+);", PIPELINE)[0].split()):
         assert f'{{ "{shape}",' in bench, f"ott-bench has no shape {shape}"
+    # the options it passes the harness are in the harness's usage (its parser refuses others)
+    usage = re.search(r'usage =\n((?:\s+".*"\n)+)', bench)
+    assert usage, "ott-bench's usage"
+    for opt in set(re.findall(r"ott-bench (--[\w-]+)", PIPELINE)):
+        assert f"[{opt}]" in usage.group(1) or f"{opt}|" in usage.group(1) or f"|{opt}" in usage.group(1), opt

@@ -25,7 +25,8 @@ read -r -a FPFLAGS <<< "-use_fast_math $(sed -n 's/^set(OTT_CUDA_FLAGS \(.*\))$/
 GENCODE=()
 for a in $ARCHS; do GENCODE+=(-gencode "arch=compute_$a,code=sm_$a"); done
 GENCODE+=(-gencode "arch=compute_${ARCHS##* },code=compute_${ARCHS##* }")
-if ! ${NVCC:-nvcc} -O3 -std=c++17 "${FPFLAGS[@]}" "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -I "$G" native/tests/ott-bench.cu \
+# OTT_SWEEP_<tag>: ott2's unit also compiles the partials' other instances (ott-bench --sweep)
+if ! ${NVCC:-nvcc} -O3 -std=c++17 "${FPFLAGS[@]}" "${GENCODE[@]}" -Xptxas -v -Werror all-warnings -DOTT_SWEEP_k2mv2g128x64 -I "$G" native/tests/ott-bench.cu \
      "$G/ott2-emu-k2mv2g128x64.cpp" "$G/ott2-emu-k2v2g128x64.cpp" "$G/ott2-emu-k3mv2sg128x64.cpp" -o "$OUT/ott-bench" \
      2> "$OUT/ott-bench.ptxas.txt"; then
   grep -v "^ptxas info\|^    [0-9]* bytes stack" "$OUT/ott-bench.ptxas.txt" | tail -40 >&2

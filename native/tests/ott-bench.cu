@@ -89,6 +89,7 @@ static const ott_bench_shape shapes[] = {
 static const int32_t depths[] = { 4096, 32768 };
 
 // the slicing rule of ggml_ott_attn_slices (native/ggml/ggml-ott.c, OTT_SLICE_GROUPS 4, OTT_MAX_SLICES 32)
+#define OTT_MAX_SLICES_BENCH 32
 static int32_t ott_bench_slices(int32_t NG) {
     const int32_t ns = (NG + 4 - 1)/4;
     return ns < 1 ? 1 : ns > 32 ? 32 : ns;
@@ -166,28 +167,30 @@ static const char * const kernel_fn[N_KERNELS] = { "attn_part", "attn_merge", "s
 struct ott_bench_case {
     const ott_bench_cfg * cfg;
     const ott_bench_shape * shape;
-    int32_t depth, n_ctx, T, S, NG, NS;
-    int32_t n_sealed, n_sealed_after;          // decode of the token at position `depth`
+    int32_t depth, n_tok, n_ctx, T, S, NG, NS;
+    int32_t n_sealed, n_sealed_after;          // the ubatch of n_tok tokens at position `depth` (decode: n_tok 1)
     int32_t seal_pos, seal_from, seal_to;      // the token whose decode seals a group, and its plan
     size_t kgb, vgb;                           // bytes of one head's sealed K group, V group
     int64_t grid[N_ROWS];                      // blocks of each row's launch
     double bytes[N_ROWS];                      // bytes it moves at least
 };
 
-static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape * shape, int32_t depth) {
+static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape * shape, int32_t depth,
+                                int32_t n_tok = 1) {
     ott_bench_case c = {};
     c.cfg = cfg;
     c.shape = shape;
     c.depth = depth;
-    // llama-bench -d depth -n 16: n_ctx = depth + 16, padded to 256 by llama.cpp
-    c.n_ctx = (depth + 16 + 255)/256*256;
+    c.n_tok = n_tok;
+    // llama-bench -d depth -n 16 (a prefill ubatch: -p n_tok): n_ctx = depth + 16 (n_tok), padded to 256 by llama.cpp
+    c.n_ctx = (depth + std::max(16, n_tok) + 255)/256*256;
     c.T = cfg->R + cfg->G;
     c.S = std::max(1, cfg->O + cfg->aux);
     c.NG = std::max(1, (c.n_ctx - cfg->R)/cfg->G);
     c.NS = ott_bench_slices(c.NG);
     auto sealed_at = [&](int32_t p) { return p >= cfg->R ? (p - cfg->R)/cfg->G : 0; };
     c.n_sealed = sealed_at(depth);
-    c.n_sealed_after = std::max(c.n_sealed, sealed_at(depth + 1));
+    c.n_sealed_after = std::max(c.n_sealed, sealed_at(depth + n_tok));
     // sealing event: group n_sealed seals when the token at R + (n_sealed + 1)*G - 1 is decoded
     c.seal_from = c.n_sealed;
     c.seal_to = c.n_sealed + 1;
@@ -200,7 +203,7 @@ static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape
     // the launchers' grids (ott_cuda_ops.j2) at ns = n_tok = 1: attn_part a block per (KV head, sealed slice),
     // serving the KV head's gq query heads, and per (KV head, query head) of the fp16 tail
     const int32_t H = shape->H, gq = shape->n_head/H, G = cfg->G;
-    c.grid[R_PART] = c.grid[R_PART_SEALED] = c.grid[R_PART_TAIL] = (int64_t) H*(c.NS + gq)*((1 + OTT_TC - 1)/OTT_TC);
+    c.grid[R_PART] = c.grid[R_PART_SEALED] = c.grid[R_PART_TAIL] = (int64_t) H*(c.NS + gq)*((n_tok + OTT_TC - 1)/OTT_TC);
     c.grid[R_MERGE] = shape->n_head;
     c.grid[R_SEAL] = c.grid[R_EVENT] = H;
     c.grid[R_FUSED] = c.grid[R_FUSED_EVENT] = shape->n_head + H;
@@ -605,20 +608,190 @@ static bool pick(const char * arg, const char * name) {
 }
 
 static void print_case(const ott_bench_case & c) {
+    if (c.n_tok > 1) { // a prefill ubatch (--sweep)
+        printf("# %s %s depth %d, a ubatch of %d tokens: n_ctx %d, NG %d, NS %d (SG %d), sealed %d groups (%d after), "
+               "ring %d tokens\n", c.cfg->name, c.shape->name, c.depth, c.n_tok, c.n_ctx, c.NG, c.NS,
+               (c.NG + c.NS - 1)/c.NS, c.n_sealed, c.n_sealed_after, c.depth - c.n_sealed*c.cfg->G);
+        return;
+    }
     printf("# %s %s depth %d: n_ctx %d, NG %d, NS %d (SG %d), sealed %d groups, ring %d tokens; sealing event at "
            "n_pos %d (group %d)\n", c.cfg->name, c.shape->name, c.depth, c.n_ctx, c.NG, c.NS, (c.NG + c.NS - 1)/c.NS,
            c.n_sealed, c.depth - c.n_sealed*c.cfg->G, c.seal_pos, c.seal_from);
 }
 
+// ---- --sweep (issue 47): the attention partials by other instances <CPL, RP, NW> (channels per lane, rows per
+// pass, warps per block) and other slice counts NS, on the decode step and on a prefill ubatch, each checked
+// against the launcher's output, then timed side by side: which instance the template should fix per D
+// (gen/templates/ott_cuda_ops.j2 VEC), and what a prefill ubatch's partials cost at depth. The ott2 config only: its
+// unit is built with OTT_SWEEP_k2mv2g128x64 (build-ott-bench.sh), which compiles the instances of SWEEP there.
+// its emulation's entry (ott2-emu-k2mv2g128x64.cpp, built with the same definition)
+extern "C" int ott2_emu_k2mv2g128x64_attn_part_variant(const ott_cu_args * a, void * stream, int cpl, int rp, int nw);
+struct ott_bench_variant {
+    int cpl, rp, nw;
+};
+static const ott_bench_variant variants[] = {
+    { 2, 4, 16 }, { 2, 4, 8 }, { 2, 4, 4 }, { 2, 8, 8 }, { 2, 2, 16 }, // D 64: the launcher's <2, 4, 16> first
+    { 4, 4, 8 }, { 4, 4, 4 }, { 4, 2, 8 }, { 4, 8, 2 },                // D 128: <4, 4, 8> first
+};
+// a prefill ubatch: llama.cpp's default n_ubatch on a GPU; the emulation takes a short one (same code, seconds)
+static const int32_t NP_GPU = 512, NP_EMU = 8;
+// largest |variant - launcher| / max |launcher| over the merged output accepted: a variant sums a row's items in
+// another order (NW) or merges other slices (NS), so fp32 rounding apart; RP alone changes no bit
+static const double SWEEP_TOL = 1e-4;
+
+// us per launch, quickly: one launch sizes the batch (about 5 ms of launches, 3 to 40), captured in a CUDA graph
+// and replayed 5 times (median, best), so that a sweep of prefill launches of tens of ms stays within seconds
+template <typename F> static ott_bench_time time_quick(const ott_bench_env & env, F launch) {
+    launch(env.stream);
+    OTT_CHECK(cudaGetLastError());
+    OTT_CHECK(cudaEventRecord(env.e0, env.stream));
+    launch(env.stream);
+    OTT_CHECK(cudaEventRecord(env.e1, env.stream));
+    const float t1 = elapsed_us(env);
+    const int reps = std::max(3, std::min(40, (int) (5000.0f/std::max(t1, 1.0f))));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    OTT_CHECK(cudaStreamBeginCapture(env.stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < reps; ++i) {
+        launch(env.stream);
+    }
+    OTT_CHECK(cudaStreamEndCapture(env.stream, &graph));
+    OTT_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    OTT_CHECK(cudaGraphLaunch(exec, env.stream)); // uploads the graph
+    std::vector<float> per;
+    for (int bt = 0; bt < N_BATCH; ++bt) {
+        OTT_CHECK(cudaEventRecord(env.e0, env.stream));
+        OTT_CHECK(cudaGraphLaunch(exec, env.stream));
+        OTT_CHECK(cudaEventRecord(env.e1, env.stream));
+        per.push_back(elapsed_us(env)/reps);
+    }
+    OTT_CHECK(cudaGraphExecDestroy(exec));
+    OTT_CHECK(cudaGraphDestroy(graph));
+    return { median(per), *std::min_element(per.begin(), per.end()), NAN, NAN };
+}
+
+static int run_sweep(const ott_bench_env & env, const ott_bench_shape * sh, int32_t depth) {
+    const ott_bench_cfg & cfg = cfgs[0]; // ott2: k2mv2g128x64
+    const auto variant = emu ? ott2_emu_k2mv2g128x64_attn_part_variant : ott2_cuda_k2mv2g128x64_attn_part_variant;
+    const int32_t D = sh->D, H = sh->H, n_head = sh->n_head, gq = n_head/H;
+    for (const int32_t n_tok : { 1, emu ? NP_EMU : NP_GPU }) {
+        const ott_bench_case c = make_case(&cfg, sh, depth, n_tok);
+        print_case(c);
+        ott_bench_bufs b = {};
+        b.n_q = (size_t) D*n_head*n_tok;
+        b.n_kv = (size_t) D*H*n_tok;
+        b.n_ring = (size_t) D*H*c.T*2;
+        b.n_sk = c.kgb*c.NG*H;
+        b.n_sv = c.vgb*c.NG*H;
+        b.n_pkv = (size_t) D*c.S*2*H;
+        b.n_pmeta = (size_t) (2*c.S + 3)*H;
+        b.n_part = (size_t) (D + 2)*gq*n_tok*H*(OTT_MAX_SLICES_BENCH + 1);
+        b.n_out = (size_t) D*n_head*n_tok;
+        b.q = buf_alloc<float>(b.n_q); b.k = buf_alloc<float>(b.n_kv); b.v = buf_alloc<float>(b.n_kv);
+        b.part = buf_alloc<float>(b.n_part); b.out = buf_alloc<float>(b.n_out);
+        b.ring = buf_alloc<uint16_t>(b.n_ring); b.pkv = buf_alloc<uint16_t>(b.n_pkv);
+        b.pkv0 = buf_alloc<uint16_t>(b.n_pkv); b.scratch = buf_alloc<uint16_t>(1);
+        b.sk = buf_alloc<uint8_t>(b.n_sk); b.sv = buf_alloc<uint8_t>(b.n_sv);
+        b.pmeta = buf_alloc<int32_t>(b.n_pmeta); b.pmeta0 = buf_alloc<int32_t>(b.n_pmeta);
+        b.plan = buf_alloc<int32_t>(4); b.flags = buf_alloc<int32_t>(1);
+        fill_state(c, b);
+        ott_cu_args a = make_args(c, b);
+        a.n_tok = n_tok;
+        const int32_t plan[4] = { 0, c.depth, c.n_sealed, c.n_sealed_after };
+        to_buf(b.plan, plan, sizeof(plan));
+        // the launcher's partials and merge: the output every variant must give
+        (emu ? cfg.epart : cfg.part)(&a, env.stream);
+        (emu ? cfg.emerge : cfg.merge)(&a, env.stream);
+        std::vector<float> ref(b.n_out), out(b.n_out);
+        from_buf(ref.data(), b.out, b.n_out*sizeof(float));
+        double ref_max = 0.0;
+        for (float x : ref) {
+            ref_max = std::max(ref_max, (double) std::fabs(x));
+        }
+        if (!all_finite(ref.data(), ref.size()) || ref_max == 0.0) {
+            fprintf(stderr, "ott-bench: sweep %s %d n_tok %d: the launcher's output is not finite or all zero\n",
+                    sh->name, depth, n_tok);
+            return 1;
+        }
+        // slice counts: the cache's, half and twice it (at most OTT_MAX_SLICES_BENCH)
+        std::vector<int32_t> nss = { c.NS };
+        for (const int32_t ns : { c.NS/2, 2*c.NS }) {
+            if (ns >= 1 && ns <= OTT_MAX_SLICES_BENCH && ns != c.NS) {
+                nss.push_back(ns);
+            }
+        }
+        const std::vector<float> nans(b.n_out, NAN);
+        for (const int32_t ns : nss) {
+            for (const ott_bench_variant & v : variants) {
+                ott_cu_args av = a;
+                av.NS = ns;
+                to_buf(b.out, nans.data(), b.n_out*sizeof(float));
+                if (!variant(&av, env.stream, v.cpl, v.rp, v.nw)) {
+                    continue; // not this D's
+                }
+                (emu ? cfg.emerge : cfg.merge)(&av, env.stream);
+                if (!emu) {
+                    OTT_CHECK(cudaGetLastError());
+                }
+                from_buf(out.data(), b.out, b.n_out*sizeof(float));
+                double err = 0.0;
+                for (size_t i = 0; i < out.size(); ++i) {
+                    const double d = std::fabs((double) out[i] - (double) ref[i]);
+                    err = std::isfinite(out[i]) ? std::max(err, d) : INFINITY;
+                }
+                err /= ref_max;
+                const bool launcher = ns == c.NS && &v == &variants[D <= 64 ? 0 : 5];
+                const int64_t grid = (int64_t) H*(ns + gq)*((n_tok + OTT_TC - 1)/OTT_TC);
+                char name[48];
+                snprintf(name, sizeof(name), "<%d,%d,%d>%s", v.cpl, v.rp, v.nw, launcher ? "*" : "");
+                if (emu) {
+                    printf("sweep %-8s %6d %5d %4d %-12s %7" PRId64 " %9s %9s %9.2e\n", sh->name, depth, n_tok, ns,
+                           name, grid, "-", "-", err);
+                } else {
+                    const ott_bench_time t = time_quick(env, [&](cudaStream_t st) {
+                        variant(&av, st, v.cpl, v.rp, v.nw);
+                    });
+                    printf("sweep %-8s %6d %5d %4d %-12s %7" PRId64 " %9.1f %9.1f %9.2e\n", sh->name, depth, n_tok,
+                           ns, name, grid, t.med, t.min, err);
+                }
+                if (!(err <= SWEEP_TOL)) {
+                    fprintf(stderr, "ott-bench: sweep %s %d n_tok %d NS %d <%d,%d,%d>: output differs from the "
+                            "launcher's by %.3g (relative)\n", sh->name, depth, n_tok, ns, v.cpl, v.rp, v.nw, err);
+                    return 1;
+                }
+                fflush(stdout);
+            }
+        }
+        for (void * p : { (void *) b.q, (void *) b.k, (void *) b.v, (void *) b.part, (void *) b.out, (void *) b.ring,
+                          (void *) b.pkv, (void *) b.pkv0, (void *) b.scratch, (void *) b.sk, (void *) b.sv,
+                          (void *) b.pmeta, (void *) b.pmeta0, (void *) b.plan, (void *) b.flags }) {
+            buf_free(p);
+        }
+    }
+    return 0;
+}
+
 static const char * const usage =
-    "usage: ott-bench [--plan|--emu] [smol|llama8b|all] [4096|32768|all] [ott2|ott2u|quality|all]\n"
+    "usage: ott-bench [--plan|--emu] [--sweep] [smol|llama8b|all] [4096|32768|all] [ott2|ott2u|quality|all]\n"
     "  --plan: the cases' sizes, grids and bytes only; --emu: the cases' state and checks run through the kernels'\n"
-    "  CPU emulation (no timing); neither needs a GPU\n";
+    "  CPU emulation (no timing); neither needs a GPU. --sweep: the attention partials' instances and slice counts\n"
+    "  (ott2 only), on the decode step and a prefill ubatch, checked against the launcher's output and timed\n";
 
 int main(int argc, char ** argv) {
-    const bool plan_only = argc > 1 && strcmp(argv[1], "--plan") == 0;
-    emu = argc > 1 && strcmp(argv[1], "--emu") == 0;
-    const int a0 = plan_only || emu ? 2 : 1;
+    bool plan_only = false, sweep = false;
+    int a0 = 1;
+    for (; a0 < argc && strncmp(argv[a0], "--", 2) == 0; ++a0) {
+        if (strcmp(argv[a0], "--plan") == 0) {
+            plan_only = true;
+        } else if (strcmp(argv[a0], "--emu") == 0) {
+            emu = true;
+        } else if (strcmp(argv[a0], "--sweep") == 0) {
+            sweep = true;
+        } else {
+            fputs(usage, stderr);
+            return 2;
+        }
+    }
     const char * a_shape = argc > a0     ? argv[a0]     : nullptr;
     const char * a_depth = argc > a0 + 1 ? argv[a0 + 1] : nullptr;
     const char * a_cfg   = argc > a0 + 2 ? argv[a0 + 2] : nullptr;
@@ -636,10 +809,24 @@ int main(int argc, char ** argv) {
             }
         }
     }
-    if (argc > a0 + 3 || !any_shape || !any_depth || !any_cfg) {
+    if (argc > a0 + 3 || !any_shape || !any_depth || !any_cfg || (plan_only && (emu || sweep)) ||
+        (sweep && !pick(a_cfg, "ott2"))) {
         fputs(usage, stderr);
         return 2;
     }
+    // the sweep's cases: ott2 at each shape and depth picked
+    std::vector<std::pair<const ott_bench_shape *, int32_t>> sweeps;
+    for (const auto & sh : shapes) {
+        for (int32_t d : depths) {
+            if (sweep && pick(a_shape, sh.name) && pick(a_depth, std::to_string(d).c_str())) {
+                sweeps.emplace_back(&sh, d);
+            }
+        }
+    }
+    static const char * const sweep_head =
+        "\nsweep (ott2; <CPL,RP,NW>: channels per lane, rows per pass, warps per block; * the launcher's; err: max "
+        "|out - launcher's| / max |launcher's|)\n"
+        "sweep shape     depth n_tok   NS instance       grid    us_med    us_min       err\n";
     if (plan_only) {
         printf("%-8s %-8s %6s %-16s %6s %10s\n", "config", "shape", "depth", "kernel", "grid", "bytes");
         for (const auto & c : cases) {
@@ -655,11 +842,22 @@ int main(int argc, char ** argv) {
         const ott_bench_env env = {};
         const int occ[N_KERNELS] = {};
         for (const auto & c : cases) {
+            if (sweep) {
+                break; // --emu --sweep: the sweep alone
+            }
             print_case(c);
             if (run_case(env, c, occ) != 0) {
                 return 1;
             }
             fflush(stdout);
+        }
+        if (sweep) {
+            fputs(sweep_head, stdout);
+        }
+        for (const auto & [sh, d] : sweeps) {
+            if (run_sweep(env, sh, d) != 0) {
+                return 1;
+            }
         }
         printf("ott-bench: ok (emulated)\n");
         return 0;
@@ -715,11 +913,36 @@ int main(int argc, char ** argv) {
     printf("\n%-8s %-8s %6s %-16s %6s %6s %9s %9s %9s %9s %10s %8s\n", "config", "shape", "depth", "kernel", "grid",
            "waves", "us_med", "us_min", "us_stream", "us_cold", "bytes", "GB/s");
     for (const auto & c : cases) {
+        if (sweep) {
+            break; // --sweep: the sweep alone
+        }
         print_case(c);
         if (run_case(env, c, occ[c.cfg - cfgs][c.shape - shapes]) != 0) {
             return 1;
         }
         fflush(stdout);
+    }
+    if (sweep) {
+        // the instances' resources at sm_XY (registers, static shared memory, blocks per SM at their threads)
+        printf("\n%-44s %5s %7s %7s %9s %8s\n", "sweep instance", "regs", "local_B", "smem_B", "blocks/SM", "warps/SM");
+        for (const ott_bench_variant & v : variants) {
+            const void * k = ott2_cuda_k2mv2g128x64_attn_part_variant_kernel(v.cpl, v.rp, v.nw);
+            OTT_ASSERT(k != nullptr);
+            cudaFuncAttributes fa;
+            int blocks = 0;
+            OTT_CHECK(cudaFuncGetAttributes(&fa, k));
+            OTT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32*v.nw, 0));
+            char name[64];
+            snprintf(name, sizeof(name), "ott2_cuda_k2mv2g128x64_attn_part_vec<%d,%d,%d>", v.cpl, v.rp, v.nw);
+            printf("%-44s %5d %7zu %7zu %9d %8d\n", name, fa.numRegs, fa.localSizeBytes, fa.sharedSizeBytes, blocks,
+                   blocks*v.nw);
+        }
+        fputs(sweep_head, stdout);
+    }
+    for (const auto & [sh, d] : sweeps) {
+        if (run_sweep(env, sh, d) != 0) {
+            return 1;
+        }
     }
     OTT_CHECK(cudaDeviceSynchronize());
     printf("ott-bench: ok\n");

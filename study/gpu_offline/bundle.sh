@@ -28,10 +28,11 @@ cp -r "$SITE" $OUT/py/ && find $OUT/py -name __pycache__ -prune -exec rm -rf {} 
 half=$(( ($(stat -c %s "$MODEL") + 1) / 2 ))
 split -b "$half" -d "$MODEL" $OUT/model.part
 cp study/gpu_offline/*.sh $OUT/
-# the kernel harness (docs/cuda-harness.md), which pipeline.sh runs first; compressed (4 MB to 0.6 MB: call 1 is
-# close to 64 MiB). Without nvcc here, pipeline.sh builds it on the GPU machine.
+# the kernel harness (docs/cuda-harness.md), which pipeline.sh runs first, for the GPU's architecture (BENCH_ARCH,
+# default 90: the H100/H200; its PTX serves newer ones), compressed (6.9 MB to 1.8 MB: call 1 is close to 64 MiB).
+# Without nvcc here, pipeline.sh builds it on the GPU machine.
 if command -v nvcc > /dev/null; then
-  bash native/tests/build-ott-bench.sh && xz -9 -c build/cuda-bench/ott-bench > $OUT/ott-bench.xz
+  bash native/tests/build-ott-bench.sh build/cuda-bench "${BENCH_ARCH:-90}" && xz -9 -c build/cuda-bench/ott-bench > $OUT/ott-bench.xz
   # the CUDA test library of tests/test_cuda_emu.py (its head configs, OTT_CU_TEST_API) for the GPU's architecture
   # (TESTLIB_ARCH, default 90: the H100/H200), a unit per head config compiled in parallel: pipeline.sh runs the
   # kernels against the numpy reference with it (OTT_CUDA_TESTLIB) while the build runs

@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, in the background: what `make gpu-test` does, with no network (bundle.sh brought the
 # inputs), most important first, since a lease can end before the last step: the kernel harness ott-bench (under a
-# minute, before the build: where the ott ops' time goes, docs/cuda-harness.md); the kernels against the numpy
+# minute, before the build: where the ott ops' time goes, docs/cuda-harness.md) and its sweep (which instance of the
+# partials is fastest, and a prefill ubatch's); the kernels against the numpy
 # reference (the test library bundle.sh built, beside the build); the CUDA build for this GPU; ott2's logits on
 # the GPU against the CPU's and op placement (in process, each group in its own pytest, so that a crash hides
 # nothing else); decode speed, f16 and ott2 interleaved, on SmolLM2 and on the 8B shape (study.random_gguf,
@@ -21,6 +22,8 @@ else  # not bundled (no nvcc where it was made): built here for this GPU
   bash native/tests/build-ott-bench.sh $W/bench "$CAP" | tail -1 && cp $W/bench/ott-bench $W/
 fi
 timeout 90 $W/ott-bench; echo "ott-bench rc=$?"
+log "ott-bench --sweep: the partials' instances and slice counts, decode and a 512-token ubatch (docs/cuda-harness.md)"
+timeout 90 $W/ott-bench --sweep; echo "ott-bench --sweep rc=$?"
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
