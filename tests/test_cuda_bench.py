@@ -23,8 +23,9 @@ KERNELS = ["attn_part_vec<2,4,16>", "attn_part_vec<4,4,8>", "attn_part_vec<8,2,4
 # ott-bench --sweep: ott2's unit also compiles these instances of the partials (OTT_SWEEP_<tag>, the template's SWEEP
 # beside the launcher's <2,4,16> and <4,4,8>)
 SWEEP_TAG = "k2mv2g128x64"
-SWEEP_EXTRA = ["attn_part_vec<2,4,8>", "attn_part_vec<2,4,4>", "attn_part_vec<2,8,8>", "attn_part_vec<2,2,16>",
-               "attn_part_vec<4,4,4>", "attn_part_vec<4,2,8>", "attn_part_vec<4,8,2>"]  # fmt: skip
+SWEEP_EXTRA = [
+    f"attn_part_vec<{i}>" for i in ("2,4,8", "2,4,4", "2,8,8", "2,2,16", "4,4,4", "4,2,8", "4,2,4", "4,1,16")
+]
 
 # (the fused kernel's second parameter, int64_t n_merge, mangles as a trailing l)
 ENTRY = re.compile(r"Compiling entry function '_Z\d+(\w+?)(?:I((?:Li\d+E)+)Ev)?\d+ott_cu_argsl?' for '(sm_\d+)'")
@@ -99,17 +100,21 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     done = "emulated: attention output finite, the fused launch's the same; sealing event with a competition"
     assert res.stdout.count(done) == 6
 
-    # the sweep's instances and slice counts through the emulation at SmolLM2's shape (the decode step and an
-    # 8-token ubatch): each gives the launcher's output within fp32 rounding (the harness fails otherwise), and
+    # the sweep's instances and slice counts through the emulation at both shapes, depth 4096 (the decode step and
+    # an 8-token ubatch): each gives the launcher's output within fp32 rounding (the harness fails otherwise), and
     # rows per pass alone change no bit (a row's arithmetic does not depend on the rows beside it)
-    res = subprocess.run([str(exe), "--emu", "--sweep", "smol", "4096"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = re.findall(r"^sweep smol +4096 +(\d+) +(\d+) (<[\d,]+>\*?) +(\d+) +- +- +(\S+)$", res.stdout, re.M)
-    # 5 instances at D 64 x 3 slice counts (9, 4, 18) x 2 ubatches
-    assert len(rows) == 30, res.stdout
-    err = {(int(n), int(ns), inst): float(e) for n, ns, inst, _, e in rows}
-    assert err[(1, 9, "<2,4,16>*")] == err[(8, 9, "<2,4,16>*")] == 0.0  # the launcher against itself
-    assert err[(1, 9, "<2,2,16>")] == err[(8, 9, "<2,2,16>")] == 0.0  # other rows per pass, the same warps
-    assert max(err.values()) <= 1e-4 and max(err.values()) > 0.0  # other warps or slices: another summation order
-    grids = {(int(n), int(ns)): int(g) for n, ns, _, g, _ in rows}
-    assert grids[(1, 9)] == 36 and grids[(1, 18)] == 63  # H 3 x (NS + gq 3)
+    for shape, launcher, same_warps, grid9 in (
+        ("smol", "<2,4,16>*", "<2,2,16>", 36),
+        ("llama8b", "<4,4,8>*", "<4,2,8>", 104),
+    ):
+        res = subprocess.run([str(exe), "--emu", "--sweep", shape, "4096"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        rows = re.findall(rf"^sweep {shape} +4096 +(\d+) +(\d+) (<[\d,]+>\*?) +(\d+) +- +- +(\S+)$", res.stdout, re.M)
+        # 5 instances of the shape's D x 3 slice counts (9, 4, 18) x 2 ubatches
+        assert len(rows) == 30, res.stdout
+        err = {(int(n), int(ns), inst): float(e) for n, ns, inst, _, e in rows}
+        assert err[(1, 9, launcher)] == err[(8, 9, launcher)] == 0.0  # the launcher against itself
+        assert err[(1, 9, same_warps)] == err[(8, 9, same_warps)] == 0.0  # other rows per pass, the same warps
+        assert 0.0 < max(err.values()) <= 1e-4  # other warps or slices: another summation order
+        grids = {(int(n), int(ns)): int(g) for n, ns, _, g, _ in rows}
+        assert grids[(1, 9)] == grid9  # H x (NS + gq)

@@ -16,9 +16,11 @@ cd $W/repo
 log() { echo "== $(date +%T) $*"; }
 log env; nvidia-smi -L; nvcc --version | tail -1; cmake --version | head -1; python3 --version; nproc
 log "ott-bench: the ott2 CUDA ops alone on random state (docs/cuda-harness.md)"
-if [ -f .gpu-bundle/ott-bench.xz ]; then xz -dc .gpu-bundle/ott-bench.xz > $W/ott-bench && chmod +x $W/ott-bench
-else  # not bundled (no nvcc where it was made): built here for this GPU
-  CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+[ -f .gpu-bundle/ott-bench.xz ] && xz -dc .gpu-bundle/ott-bench.xz > $W/ott-bench && chmod +x $W/ott-bench
+# bundled for sm_90 (bundle.sh BENCH_ARCH) with compute_90 PTX for newer GPUs: an older one gets its own build
+if [ ! -x $W/ott-bench ] || { [ "$CAP" -lt 90 ] && ! cuobjdump --list-elf $W/ott-bench 2>/dev/null | grep -q "sm_$CAP"; }; then
+  log "ott-bench built here for sm_$CAP (not bundled, or not for this GPU)"
   bash native/tests/build-ott-bench.sh $W/bench "$CAP" | tail -1 && cp $W/bench/ott-bench $W/
 fi
 timeout 90 $W/ott-bench; echo "ott-bench rc=$?"
