@@ -94,3 +94,53 @@ def test_the_texts_and_shapes_the_pass_reads_exist() -> None:
     assert usage, "ott-bench's usage"
     for opt in set(re.findall(r"ott-bench (--[\w-]+)", PIPELINE)):
         assert f"[{opt}]" in usage.group(1) or f"{opt}|" in usage.group(1) or f"|{opt}" in usage.group(1), opt
+
+
+def test_decode_kernels_sums_the_decode_phase_of_an_nsys_trace(tmp_path: Path) -> None:
+    """study/gpu_offline/decode_kernels.py on a trace laid out as `nsys stats -r cuda_gpu_trace -f csv` writes it: a
+    warmup token (matrix-vector kernels), the depth fill (batched matmuls: mul_mat_q), two decoded tokens; the copies
+    and everything up to the fill's last batched matmul are left out, each kernel summed by name per token."""
+    sys.path.insert(0, str(ROOT))
+    from study.gpu_offline.decode_kernels import decode_phase, main, read_trace, short_name
+
+    head = "Start (ns),Duration (ns),CorrId,GrdX,GrdY,GrdZ,BlkX,BlkY,BlkZ,Reg/Trd,Strm,Name"
+    mmvq = "void mul_mat_vec_q<(ggml_type)3, 1>(const void *, const void *, float *, int, int)"
+    mmq = "void mul_mat_q<(ggml_type)3, 128, false>(const char *, const int *, float *, int, int)"
+    part = "void ott2_cuda_k2mv2g128x64_attn_part_vec<2, 4, 16>(ott_cu_args)"
+    rows = [(0, 900, mmvq), (1000, 50_000, mmq), (60_000, 7_000, part), (70_000, 40_000, mmq)]  # warmup, fill
+    t = 200_000
+    for _ in range(2):  # two decoded tokens: 3 matrix-vector kernels, the partials, a copy
+        for name, dur in (
+            (mmvq, 1_000),
+            (mmvq, 2_000),
+            (part, 4_000),
+            ("[CUDA memcpy Device-to-Host]", 500),
+            (mmvq, 3_000),
+        ):
+            rows.append((t, dur, name))
+            t += dur + 100
+    csv_path = tmp_path / "ott2_cuda_gpu_trace.csv"
+    lines = ["", "Processing [ott2.sqlite] with [cuda_gpu_trace.py]... ", "", head]
+    lines += [f'{s},{d},1,1,1,1,128,1,1,32,7,"{n}"' for s, d, n in rows]
+    csv_path.write_text("\n".join(lines) + "\n")
+
+    assert short_name(mmvq) == "mul_mat_vec_q<(ggml_type)3, 1>" and short_name(part).endswith("<2, 4, 16>")
+    trace = read_trace(csv_path)
+    assert len(trace) == 4 + 2 * 4  # the copies left out
+    ph = decode_phase(trace)
+    assert ph.kernels == {"mul_mat_vec_q<(ggml_type)3, 1>": [12_000, 6], short_name(part): [8_000, 2]}
+    assert ph.busy_ns == 20_000 and ph.launches == 8
+    assert ph.span_ns == t - 100 - 200_000  # the first decoded kernel's start to the last one's end
+    out = subprocess.run(
+        [sys.executable, "-m", "study.gpu_offline.decode_kernels", "--tokens", "2", f"a={csv_path}", f"b={csv_path}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    # us per token: 12 us / 2 of matrix-vector kernels (3 launches a token), 4 of the partials, 10 in all
+    assert re.search(r"^mul_mat_vec_q<\(ggml_type\)3, 1> +6\.00 \( 3\.0\) +6\.00 \( 3\.0\)$", out, re.M), out
+    assert re.search(r"^ott2_cuda_k2mv2g128x64_attn_part_vec<2, 4, 16> +4\.00 \( 1\.0\)", out, re.M), out
+    assert re.search(r"^all kernels: device time +10\.00", out, re.M), out
+    # a trace without the depth fill is refused, with the reason
+    fill_less = tmp_path / "no_fill.csv"
+    fill_less.write_text("\n".join([head, f'0,900,1,1,1,1,1,1,1,1,1,"{mmvq}"']) + "\n")
+    with pytest.raises(SystemExit, match="no batched matmul"):
+        main(["--tokens", "1", f"x={fill_less}"])

@@ -110,6 +110,17 @@ for m in "$M smol" "$W/llama3-8b.gguf 8b"; do
     echo "$2 d4096 $kv: ${res:-no pp512 row (failed, or past 60 s)}"
   done
 done
+log "where a decoded token's GPU time goes, by kernel: nsys over tg32 at depth 4096, SmolLM2, f16 and ott2"
+NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+if [ -n "$NSYS" ]; then
+  for kv in f16 ott2; do
+    timeout 90 $NSYS profile -t cuda --cuda-graph-trace=node -f true -o $W/nsys-$kv $B/llama-bench -m $M -ctk $kv \
+      -ctv $kv -fa 1 -p 0 -n 32 -d 4096 -r 1 -ngl 99 > $W/nsys-$kv.log 2>&1; echo "nsys $kv rc=$?"
+    timeout 60 $NSYS stats -r cuda_gpu_trace -f csv -o $W/nsys-$kv $W/nsys-$kv.nsys-rep > /dev/null 2>&1
+  done
+  timeout 30 python3 -m study.gpu_offline.decode_kernels --tokens 32 f16=$W/nsys-f16_cuda_gpu_trace.csv \
+    ott2=$W/nsys-ott2_cuda_gpu_trace.csv
+else echo "no nsys on this machine"; fi
 log "ncu: the partials of the harness at depth 4096, both shapes (occupancy, stalls, instructions, memory)"
 # over llama-bench the first 2400 launches were all the depth's prefill: the harness's decode launch instead
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
