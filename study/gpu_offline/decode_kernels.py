@@ -4,7 +4,8 @@ kernel over the decode phase of `llama-bench -p 0 -n N -d DEPTH -ngl 99`, per de
 The harness (ott-bench) times the ott ops alone; this says, in the whole model, what ott2's decode step spends that
 f16's does not: the ott ops, the casts and copies around them, and launches. llama-bench runs a one-token warmup,
 then fills the depth in ubatches (batched matmuls: ggml-cuda's mul_mat_q, or cuBLAS's gemm), then decodes N tokens
-(matrix-vector kernels): the decode phase is every kernel after the last batched matmul.
+(matrix-vector kernels): the decode phase is every kernel after the last batched matmul (so also the fill's last few
+kernels after its last matmul, its output norm and its last token's logits: a few launches over N tokens).
 
     nsys profile -t cuda --cuda-graph-trace=node -o f16 llama-bench -m M -ctk f16 -ctv f16 -fa 1 -p 0 -n 32 \\
         -d 4096 -r 1 -ngl 99                              # and -o ott2 with -ctk ott2 -ctv ott2
