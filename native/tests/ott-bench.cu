@@ -356,11 +356,44 @@ static void fill_state(const ott_bench_case & c, ott_bench_bufs & b) {
 }
 
 
+// a case's buffers, sized as the kernels index them for its n_tok tokens; the partials for n_slices + 1 states
+static ott_bench_bufs alloc_bufs(const ott_bench_case & c, int32_t n_slices) {
+    const int32_t D = c.shape->D, H = c.shape->H, n_head = c.shape->n_head, gq = n_head/H;
+    ott_bench_bufs b = {};
+    b.n_q = (size_t) D*n_head*c.n_tok;
+    b.n_kv = (size_t) D*H*c.n_tok;
+    b.n_ring = (size_t) D*H*c.T*2;
+    b.n_sk = c.kgb*c.NG*H;
+    b.n_sv = c.vgb*c.NG*H;
+    b.n_pkv = (size_t) D*c.S*2*H;
+    b.n_pmeta = (size_t) (2*c.S + 3)*H;
+    b.n_part = (size_t) (D + 2)*gq*c.n_tok*H*(n_slices + 1);
+    b.n_out = (size_t) D*n_head*c.n_tok;
+    b.n_scratch = (size_t) 2*c.cfg->G*D*H;
+    b.q = buf_alloc<float>(b.n_q); b.k = buf_alloc<float>(b.n_kv); b.v = buf_alloc<float>(b.n_kv);
+    b.part = buf_alloc<float>(b.n_part); b.out = buf_alloc<float>(b.n_out);
+    b.ring = buf_alloc<uint16_t>(b.n_ring); b.pkv = buf_alloc<uint16_t>(b.n_pkv); b.pkv0 = buf_alloc<uint16_t>(b.n_pkv);
+    b.scratch = buf_alloc<uint16_t>(b.n_scratch);
+    b.sk = buf_alloc<uint8_t>(b.n_sk); b.sv = buf_alloc<uint8_t>(b.n_sv);
+    b.pmeta = buf_alloc<int32_t>(b.n_pmeta); b.pmeta0 = buf_alloc<int32_t>(b.n_pmeta);
+    b.plan = buf_alloc<int32_t>(4); b.flags = buf_alloc<int32_t>(1);
+    return b;
+}
+
+static void free_bufs(ott_bench_bufs & b) {
+    for (void * p : { (void *) b.q, (void *) b.k, (void *) b.v, (void *) b.part, (void *) b.out, (void *) b.ring,
+                      (void *) b.pkv, (void *) b.pkv0, (void *) b.scratch, (void *) b.sk, (void *) b.sv,
+                      (void *) b.pmeta, (void *) b.pmeta0, (void *) b.plan, (void *) b.flags }) {
+        buf_free(p);
+    }
+    b = {};
+}
+
 static ott_cu_args make_args(const ott_bench_case & c, const ott_bench_bufs & b) {
     ott_cu_args a = {};
     a.D = c.shape->D; a.H = c.shape->H; a.n_head = c.shape->n_head;
     a.T = c.T; a.S = c.S; a.NG = c.NG; a.NS = c.NS;
-    a.ns = 1; a.n_tok = 1; a.n_stream = 1;
+    a.ns = 1; a.n_tok = c.n_tok; a.n_stream = 1;
     a.outlier_num = c.cfg->O; a.aux_cap = c.cfg->aux;
     a.scale = 1.0f/sqrtf((float) c.shape->D);
     a.v_rotate = 1;
@@ -402,17 +435,13 @@ struct ott_bench_time {
 // host launch cost between them), and launched from the stream (GGML_CUDA_DISABLE_GRAPHS=1: a kernel shorter than
 // the launch rate shows the launch rate). Both with the L2 warm: one layer's state is read again and again, as a
 // decode step's layers would not; `cold` is the other end, each launch alone after the L2 was overwritten.
-static ott_bench_time time_launches(const ott_bench_env & env, ott_bench_launcher fn, const ott_cu_args * a) {
-    for (int i = 0; i < N_WARM; ++i) {
-        fn(a, env.stream);
-    }
-    OTT_CHECK(cudaGetLastError());
-    OTT_CHECK(cudaStreamSynchronize(env.stream));
+// us per launch of `reps` launches captured in one CUDA graph, replayed N_BATCH times (after one replay that uploads it)
+template <typename F> static std::vector<float> graph_batches(const ott_bench_env & env, F launch, int reps) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     OTT_CHECK(cudaStreamBeginCapture(env.stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < N_PER_BATCH; ++i) {
-        fn(a, env.stream);
+    for (int i = 0; i < reps; ++i) {
+        launch(env.stream);
     }
     OTT_CHECK(cudaStreamEndCapture(env.stream, &graph));
     OTT_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -422,10 +451,20 @@ static ott_bench_time time_launches(const ott_bench_env & env, ott_bench_launche
         OTT_CHECK(cudaEventRecord(env.e0, env.stream));
         OTT_CHECK(cudaGraphLaunch(exec, env.stream));
         OTT_CHECK(cudaEventRecord(env.e1, env.stream));
-        per.push_back(elapsed_us(env)/N_PER_BATCH);
+        per.push_back(elapsed_us(env)/reps);
     }
     OTT_CHECK(cudaGraphExecDestroy(exec));
     OTT_CHECK(cudaGraphDestroy(graph));
+    return per;
+}
+
+static ott_bench_time time_launches(const ott_bench_env & env, ott_bench_launcher fn, const ott_cu_args * a) {
+    for (int i = 0; i < N_WARM; ++i) {
+        fn(a, env.stream);
+    }
+    OTT_CHECK(cudaGetLastError());
+    OTT_CHECK(cudaStreamSynchronize(env.stream));
+    const std::vector<float> per = graph_batches(env, [&](cudaStream_t st) { fn(a, st); }, N_PER_BATCH);
     std::vector<float> str;
     for (int bt = 0; bt < N_BATCH; ++bt) {
         OTT_CHECK(cudaEventRecord(env.e0, env.stream));
@@ -472,26 +511,9 @@ static bool all_finite(const float * x, size_t n) {
 
 static int run_case(const ott_bench_env & env, const ott_bench_case & c, const int occ[N_KERNELS]) {
     const ott_bench_cfg & cfg = *c.cfg;
-    const int32_t D = c.shape->D, H = c.shape->H, n_head = c.shape->n_head, gq = n_head/H, G = cfg.G;
+    const int32_t D = c.shape->D, H = c.shape->H, n_head = c.shape->n_head, G = cfg.G;
     OTT_ASSERT(n_head % H == 0 && D % cfg.Gv == 0 && D <= 512);
-    ott_bench_bufs b = {};
-    b.n_q = (size_t) D*n_head;
-    b.n_kv = (size_t) D*H;
-    b.n_ring = (size_t) D*H*c.T*2;
-    b.n_sk = c.kgb*c.NG*H;
-    b.n_sv = c.vgb*c.NG*H;
-    b.n_pkv = (size_t) D*c.S*2*H;
-    b.n_pmeta = (size_t) (2*c.S + 3)*H;
-    b.n_part = (size_t) (D + 2)*gq*H*(c.NS + 1);
-    b.n_out = (size_t) D*n_head;
-    b.n_scratch = (size_t) 2*G*D*H;
-    b.q = buf_alloc<float>(b.n_q); b.k = buf_alloc<float>(b.n_kv); b.v = buf_alloc<float>(b.n_kv);
-    b.part = buf_alloc<float>(b.n_part); b.out = buf_alloc<float>(b.n_out);
-    b.ring = buf_alloc<uint16_t>(b.n_ring); b.pkv = buf_alloc<uint16_t>(b.n_pkv); b.pkv0 = buf_alloc<uint16_t>(b.n_pkv);
-    b.scratch = buf_alloc<uint16_t>(b.n_scratch);
-    b.sk = buf_alloc<uint8_t>(b.n_sk); b.sv = buf_alloc<uint8_t>(b.n_sv);
-    b.pmeta = buf_alloc<int32_t>(b.n_pmeta); b.pmeta0 = buf_alloc<int32_t>(b.n_pmeta);
-    b.plan = buf_alloc<int32_t>(4); b.flags = buf_alloc<int32_t>(1);
+    ott_bench_bufs b = alloc_bufs(c, c.NS);
     fill_state(c, b);
     const ott_cu_args a = make_args(c, b);
 
@@ -610,11 +632,7 @@ static int run_case(const ott_bench_env & env, const ott_bench_case & c, const i
                m[2*c.S], m[2*c.S + 1]);
     }
 
-    for (void * p : { (void *) b.q, (void *) b.k, (void *) b.v, (void *) b.part, (void *) b.out, (void *) b.ring,
-                      (void *) b.pkv, (void *) b.pkv0, (void *) b.scratch, (void *) b.sk, (void *) b.sv,
-                      (void *) b.pmeta, (void *) b.pmeta0, (void *) b.plan, (void *) b.flags }) {
-        buf_free(p);
-    }
+    free_bufs(b);
     return 0;
 }
 
@@ -664,24 +682,7 @@ template <typename F> static ott_bench_time time_quick(const ott_bench_env & env
     OTT_CHECK(cudaEventRecord(env.e1, env.stream));
     const float t1 = elapsed_us(env);
     const int reps = std::max(3, std::min(40, (int) (5000.0f/std::max(t1, 1.0f))));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    OTT_CHECK(cudaStreamBeginCapture(env.stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < reps; ++i) {
-        launch(env.stream);
-    }
-    OTT_CHECK(cudaStreamEndCapture(env.stream, &graph));
-    OTT_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    OTT_CHECK(cudaGraphLaunch(exec, env.stream)); // uploads the graph
-    std::vector<float> per;
-    for (int bt = 0; bt < N_BATCH; ++bt) {
-        OTT_CHECK(cudaEventRecord(env.e0, env.stream));
-        OTT_CHECK(cudaGraphLaunch(exec, env.stream));
-        OTT_CHECK(cudaEventRecord(env.e1, env.stream));
-        per.push_back(elapsed_us(env)/reps);
-    }
-    OTT_CHECK(cudaGraphExecDestroy(exec));
-    OTT_CHECK(cudaGraphDestroy(graph));
+    const std::vector<float> per = graph_batches(env, launch, reps);
     return { median(per), *std::min_element(per.begin(), per.end()), NAN, NAN };
 }
 
@@ -692,26 +693,9 @@ static int run_sweep(const ott_bench_env & env, const ott_bench_shape * sh, int3
     for (const int32_t n_tok : { 1, emu ? NP_EMU : NP_GPU }) {
         const ott_bench_case c = make_case(&cfg, sh, depth, n_tok);
         print_case(c);
-        ott_bench_bufs b = {};
-        b.n_q = (size_t) D*n_head*n_tok;
-        b.n_kv = (size_t) D*H*n_tok;
-        b.n_ring = (size_t) D*H*c.T*2;
-        b.n_sk = c.kgb*c.NG*H;
-        b.n_sv = c.vgb*c.NG*H;
-        b.n_pkv = (size_t) D*c.S*2*H;
-        b.n_pmeta = (size_t) (2*c.S + 3)*H;
-        b.n_part = (size_t) (D + 2)*gq*n_tok*H*(OTT_MAX_SLICES_BENCH + 1);
-        b.n_out = (size_t) D*n_head*n_tok;
-        b.q = buf_alloc<float>(b.n_q); b.k = buf_alloc<float>(b.n_kv); b.v = buf_alloc<float>(b.n_kv);
-        b.part = buf_alloc<float>(b.n_part); b.out = buf_alloc<float>(b.n_out);
-        b.ring = buf_alloc<uint16_t>(b.n_ring); b.pkv = buf_alloc<uint16_t>(b.n_pkv);
-        b.pkv0 = buf_alloc<uint16_t>(b.n_pkv); b.scratch = buf_alloc<uint16_t>(1);
-        b.sk = buf_alloc<uint8_t>(b.n_sk); b.sv = buf_alloc<uint8_t>(b.n_sv);
-        b.pmeta = buf_alloc<int32_t>(b.n_pmeta); b.pmeta0 = buf_alloc<int32_t>(b.n_pmeta);
-        b.plan = buf_alloc<int32_t>(4); b.flags = buf_alloc<int32_t>(1);
+        ott_bench_bufs b = alloc_bufs(c, OTT_MAX_SLICES_BENCH);
         fill_state(c, b);
-        ott_cu_args a = make_args(c, b);
-        a.n_tok = n_tok;
+        const ott_cu_args a = make_args(c, b);
         const int32_t plan[4] = { 0, c.depth, c.n_sealed, c.n_sealed_after };
         to_buf(b.plan, plan, sizeof(plan));
         // the launcher's partials and merge: the output every variant must give
@@ -784,11 +768,7 @@ static int run_sweep(const ott_bench_env & env, const ott_bench_shape * sh, int3
                 fflush(stdout);
             }
         }
-        for (void * p : { (void *) b.q, (void *) b.k, (void *) b.v, (void *) b.part, (void *) b.out, (void *) b.ring,
-                          (void *) b.pkv, (void *) b.pkv0, (void *) b.scratch, (void *) b.sk, (void *) b.sv,
-                          (void *) b.pmeta, (void *) b.pmeta0, (void *) b.plan, (void *) b.flags }) {
-            buf_free(p);
-        }
+        free_bufs(b);
     }
     return 0;
 }

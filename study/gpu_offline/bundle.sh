@@ -29,7 +29,7 @@ half=$(( ($(stat -c %s "$MODEL") + 1) / 2 ))
 split -b "$half" -d "$MODEL" $OUT/model.part
 cp study/gpu_offline/*.sh $OUT/
 # the kernel harness (docs/cuda-harness.md), which pipeline.sh runs first, for the GPU's architecture (BENCH_ARCH,
-# default 90: the H100/H200; its PTX serves newer ones), compressed (6.9 MB to 1.8 MB: call 1 is close to 64 MiB).
+# default 90: the H100/H200; its PTX serves newer ones), compressed (about 7 MB to 1.8 MB: call 1 is close to 64 MiB).
 # Without nvcc here, pipeline.sh builds it on the GPU machine.
 if command -v nvcc > /dev/null; then
   bash native/tests/build-ott-bench.sh build/cuda-bench "${BENCH_ARCH:-90}" && xz -9 -c build/cuda-bench/ott-bench > $OUT/ott-bench.xz
