@@ -109,6 +109,12 @@ def test_ott_bench_builds_and_plans(tmp_path: Path) -> None:
     ):
         res = subprocess.run([str(exe), "--emu", "--sweep", shape, "4096"], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
+        # the prefill ubatch as the cache cuts one: from the seal boundary R + 31G = 4000, 31 groups sealed before and
+        # after it, the R ring tokens before it, the context sized for depth 4096
+        assert (
+            f"# ott2 {shape} depth 4000, a ubatch of 8 tokens: n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups "
+            "(31 after), ring 32 tokens"
+        ) in res.stdout, res.stdout
         rows = re.findall(rf"^sweep {shape} +4096 +(\d+) +(\d+) (<[\d,]+>\*?) +(\d+) +- +- +(\S+)$", res.stdout, re.M)
         # 5 instances of the shape's D x 3 slice counts (9, 4, 18) x 2 ubatches
         assert len(rows) == 30, res.stdout

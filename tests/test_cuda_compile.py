@@ -188,6 +188,8 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     units = [("ops", unit)] if with_ops else []  # the longest first
     units += [
         ("glue", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
+        # as a tuning build compiles it (CMake OTT_GGUF_CUDA_SWEEP: ott2's default config has other instances)
+        ("glue-tuning", ROOT / "native" / "ggml" / "ggml-cuda-ott.cu"),
         ("dispatch", src / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu"),  # patch 0005's hooks
     ]
     ops_syms = ""
@@ -196,15 +198,23 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
     # the whole unit under make test-all
     ptx_only = f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}"
     cmds = [["nvcc", "-c", "-O3", "-std=c++17", *nvcc_flags(),
-             ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}", "-DGGML_USE_CUDA", *inc, str(cu),
+             ptx_only if name == "ops" and not TEST_ALL else f"-arch={arch}", "-DGGML_USE_CUDA",
+             *([f"-DOTT_SWEEP_{SWEEP_TAG}"] if name == "glue-tuning" else []), *inc, str(cu),
              "-o", str(tmp_path / f"{name}.o")] for name, cu in units]  # fmt: skip
+    tuning_syms = ""
     for (name, _), res in zip(units, run_all(cmds), strict=True):
         assert res.returncode == 0, res.stderr[-4000:]
         out = subprocess.run(["nm", "-C", str(tmp_path / f"{name}.o")], capture_output=True, text=True,
                              check=True).stdout  # fmt: skip
+        if name == "glue-tuning":
+            tuning_syms = out
+            continue
         syms += out
         if name == "ops":
             ops_syms = out
+    # the tuning build's glue reaches ott2's other instances (OTT_CUDA_PART), the default build's nothing of them
+    assert f"U ott2_cuda_{SWEEP_TAG}_attn_part_variant" in tuning_syms
+    assert "attn_part_variant" not in syms
     for fn in (
         "ggml_cuda_op_ott_attn_part",
         "ggml_cuda_op_ott_attn",
@@ -220,6 +230,10 @@ def test_ggml_cuda_ott_ops_compile(arch: str, tmp_path: Path) -> None:
             if with_ops and h in turn:
                 assert f" T ott2_cuda_{tag}_{fn}" in ops_syms  # and defined by the generated unit
     assert syms.count("U ggml_cuda_op_ott_attn_part") == 1  # referenced by the dispatch
+
+
+# the head config whose unit a tuning build (CMake OTT_GGUF_CUDA_SWEEP) compiles with the partials' other instances
+SWEEP_TAG = re.search(r"^set\(OTT_SWEEP_TAG (\w+)\)", (ROOT / "CMakeLists.txt").read_text(), re.M)[1]
 
 
 # the attention partials' kernel structure (gen/templates/ott_cuda_ops.j2, attn_part_vec_kernel), for the turn's

@@ -499,7 +499,7 @@ import numpy as np
 from ott_gguf import Llama
 from ott_gguf.corpus import docs_text
 
-model, emu, n, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model, emu, n, k, save = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 llm = Llama(model, vocab_only=True, verbose=False)  # loads ggml: the emulation registers with it on load
 tokens = llm.tokenize(docs_text(40_000).encode())[:n]
 llm.close()
@@ -518,23 +518,70 @@ def last(chunks, n_ubatch):
 
 
 base = last([n], 512)
+np.save(save, base)
 modes = {"token by token": ([n - k] + [1] * k, 512), "ubatches of 64": ([n], 64)}
 for name, (chunks, ub) in modes.items():
     print(name, float(np.abs(last(chunks, ub) - base).max()), flush=True)
 """
 
 
-def test_emulated_cuda_path_is_batch_invariant(smollm2: Path) -> None:
+# the tuning knobs of a GPU session (docs/cuda-harness.md "Tuning builds"): another instance of the partials (4
+# warps where the launcher takes 16 at D 64) and 1 sealed group per slice instead of 4. Both change bits with the
+# prompt's 2 sealed groups (8 items of 32 tokens): 4 warps take 2 items each where 16 take 1, and the groups fall in
+# 2 slices where the context's 3 make 1 (with 8 warps or 2 groups per slice the bits would be the launcher's here)
+TUNED = {"OTT_CUDA_PART": "2,4,4", "OTT_SLICE_GROUPS": "1"}
+
+
+def test_emulated_cuda_path_is_batch_invariant(smollm2: Path, tmp_path: Path) -> None:
     """The CUDA kernels' logic (the emulation in ggml-cpu's place) gives a prompt's last logits bit for bit
     whether the prompt runs as one ubatch, in ubatches of 64, or with its last 40 tokens decoded one at a time (a
     decoded token's partials run with one row per query head, across the seal of group 1 at position 287): the
     attention partials' instance, which fixes the order a row's items are summed in, must not depend on the
     ubatch. (A version that ran decoded tokens with 16 warps and prefill blocks with 4 moved them by 0.33 token by
-    token, measured with that library built by hand; 0.0 in both modes now.)"""
-    res = subprocess.run([sys.executable, "-c", BATCHING_SCRIPT, str(smollm2), str(built_lib("ott_cuda_emu")), "300",
-                          "40"], capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "ott-cuda-emu: ggml-cpu runs the CUDA kernels' emulation" in res.stderr, res.stderr[-2000:]
-    diffs = dict(re.findall(r"^(token by token|ubatches of 64) (\S+)$", res.stdout, re.M))
-    print(diffs)
-    assert set(diffs) == {"token by token", "ubatches of 64"} and all(float(d) == 0.0 for d in diffs.values()), diffs
+    token, measured with that library built by hand; 0.0 in both modes now.) The same with the tuning knobs set
+    (TUNED: another instance and slice count, as a GPU session times them), whose last logits must differ from
+    the launcher's (the knobs took effect) by no more than a summation order explains (KL below 0.1)."""
+    env = {k: v for k, v in os.environ.items() if k not in TUNED}
+    bases = []
+    for tuned in (False, True):
+        save = tmp_path / f"base{int(tuned)}.npy"
+        res = subprocess.run([sys.executable, "-c", BATCHING_SCRIPT, str(smollm2), str(built_lib("ott_cuda_emu")),
+                              "300", "40", str(save)], capture_output=True, text=True, timeout=900,
+                             env={**env, **TUNED} if tuned else env)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "ott-cuda-emu: ggml-cpu runs the CUDA kernels' emulation" in res.stderr, res.stderr[-2000:]
+        diffs = dict(re.findall(r"^(token by token|ubatches of 64) (\S+)$", res.stdout, re.M))
+        print("tuned" if tuned else "launcher", diffs)
+        assert set(diffs) == {"token by token", "ubatches of 64"}, diffs
+        assert all(float(d) == 0.0 for d in diffs.values()), diffs
+        bases.append(np.load(save))
+    moved = float(np.abs(bases[1] - bases[0]).max())
+    p0, p1 = (np.exp(b.astype(np.float64) - b.max()) for b in bases)
+    p0, p1 = p0 / p0.sum(), p1 / p1.sum()
+    kl = float(np.sum(p0 * (np.log(p0) - np.log(p1))))
+    # measured: max 1.42, KL 0.021 (OTT_CUDA_PART alone 1.34 / 0.030, OTT_SLICE_GROUPS alone 0.45 / 0.0022): a
+    # summation order amplified through 2-bit codes over 30 layers; a wrong instance's attention would be far off
+    print(f"tuned vs launcher: max |logit difference| {moved:.3g}, KL {kl:.3g}")
+    assert moved > 0.0 and kl < 0.1, (moved, kl)
+
+
+@pytest.mark.parametrize(("var", "value", "said"), [
+    ("OTT_CUDA_PART", "3,4,8", "OTT_CUDA_PART=3,4,8 is not an instance of the attention partials at head dimension 64"),
+    ("OTT_CUDA_PART", "2x4x8", "OTT_CUDA_PART=2x4x8: expected <channels per lane>,<rows per pass>,<warps>"),
+    ("OTT_SLICE_GROUPS", "0", "OTT_SLICE_GROUPS=0: expected the sealed groups per slice"),
+])  # fmt: skip
+def test_tuning_knobs_refuse_what_does_not_exist(smollm2: Path, var: str, value: str, said: str) -> None:
+    """A knob set to an instance the build lacks, or to something unreadable, ends the process with a message that
+    names it, before any token is computed (never the launcher's kernel in its place)."""
+    script = (
+        "import ctypes, sys\nfrom ott_gguf import Llama\n"
+        "Llama(sys.argv[1], vocab_only=True, verbose=False).close()\n"
+        "ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)\n"
+        "llm = Llama(sys.argv[1], kv_type='ott2', n_ctx=256, verbose=False)\nllm.eval(llm.tokenize(b'Hello there'))\n"
+        "print('evaluated')\n"
+    )
+    env = {**{k: v for k, v in os.environ.items() if k not in TUNED}, var: value}
+    res = subprocess.run([sys.executable, "-c", script, str(smollm2), str(built_lib("ott_cuda_emu"))],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert res.returncode != 0 and "evaluated" not in res.stdout, res.stdout[-2000:]
+    assert said in res.stderr, res.stderr[-2000:]

@@ -144,3 +144,39 @@ def test_decode_kernels_sums_the_decode_phase_of_an_nsys_trace(tmp_path: Path) -
     fill_less.write_text("\n".join([head, f'0,900,1,1,1,1,1,1,1,1,1,"{mmvq}"']) + "\n")
     with pytest.raises(SystemExit, match="no batched matmul"):
         main(["--tokens", "1", f"x={fill_less}"])
+
+
+SWEEP_LOG = """\
+# ott2 smol depth 4096: n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups, ring 128 tokens; sealing event at n_pos 4127
+sweep smol       4096     1    9 <2,4,16>*         36      20.0      19.0  0.00e+00
+sweep smol       4096     1    9 <2,4,8>           36      15.0      14.0  2.00e-07
+sweep smol       4096     1   18 <2,4,8>           63      10.0       9.0  2.00e-07
+sweep smol       4096     1    4 <2,4,16>          21      30.0      29.0  2.00e-07
+# ott2 smol depth 4000, a ubatch of 128 tokens: n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups (32 after), ring 32
+sweep smol       4096   128    9 <2,4,16>*        576     500.0     490.0  0.00e+00
+sweep smol       4096   128    9 <2,2,16>         576       1.0       0.9  0.00e+00
+# ott2 llama8b depth 4096: n_ctx 4352, NG 33, NS 9 (SG 4), sealed 31 groups, ring 128 tokens; sealing event at n_pos
+sweep llama8b    4096     1    9 <4,4,8>*          96      20.0      19.0  0.00e+00
+sweep llama8b    4096     1    4 <4,4,8>           64      19.5      19.0  1.00e-07
+sweep llama8b    4096     1   18 <4,4,8>          176      15.0      14.0  1.00e-07
+"""
+
+
+def test_sweep_pick_names_the_knobs_of_the_fastest_decode_partials(tmp_path: Path) -> None:
+    """study/gpu_offline/sweep_pick.py on the sweep's output: the fastest decoded token's row (prefill rows left out),
+    as the tuning knobs that give it to the model, the slice count as groups per slice; nothing where the
+    launcher's is within the margin; a shape the sweep did not reach refused."""
+    from study.gpu_offline.sweep_pick import pick
+
+    # 10 us at NS 18 with 8 warps: another instance and 2 groups per slice (NS = ceil(33/2) = 17: SG 2 as at 18)
+    assert pick(SWEEP_LOG, "smol", 4096, 0.05) == "OTT_CUDA_PART=2,4,8 OTT_SLICE_GROUPS=2"
+    assert pick(SWEEP_LOG, "smol", 4096, 0.6) == ""  # 10 us is not 60% faster than 20
+    assert pick(SWEEP_LOG, "llama8b", 4096, 0.05) == "OTT_SLICE_GROUPS=2"  # the launcher's instance, more slices
+    assert pick(SWEEP_LOG.replace("15.0      14.0  1.00e-07", "19.5      19.0  1.00e-07"), "llama8b", 4096, 0.05) == ""
+    with pytest.raises(ValueError, match="no decode case for llama8b at depth 32768"):
+        pick(SWEEP_LOG, "llama8b", 32768, 0.05)
+    log = tmp_path / "sweep.log"
+    log.write_text(SWEEP_LOG)
+    res = subprocess.run([sys.executable, "-m", "study.gpu_offline.sweep_pick", "--shape", "smol", "--depth", "4096",
+                          str(log)], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "OTT_CUDA_PART=2,4,8 OTT_SLICE_GROUPS=2", res

@@ -71,7 +71,7 @@ void ggml_cuda_op_ott_attn_part(ggml_backend_cuda_context & ctx, ggml_tensor * d
     ott_cu_args a = ggml_ott_cu_args(dst);
     GGML_ASSERT((uintptr_t) a.ring % 16 == 0 && "ott: the fp16 tail reads ring rows 16 bytes at a time");
     a.part = (float *) dst->data;
-    ops->attn_part(&a, ctx.stream());
+    ggml_ott_cu_attn_part(ops, &a, ctx.stream()); // the launcher's instance, or OTT_CUDA_PART's (ggml-ott-args.h)
 }
 
 void ggml_cuda_op_ott_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {

@@ -5,6 +5,9 @@
 #include "ggml-ott.h"
 #include "ott2-cuda.h"
 
+#include <stdio.h>
+#include <stdlib.h>
+
 static inline const struct ggml_ott_params * ggml_ott_get_params(const struct ggml_tensor * t) {
     return (const struct ggml_ott_params *) t->op_params;
 }
@@ -31,4 +34,49 @@ static inline ott_cu_args ggml_ott_cu_args(const struct ggml_tensor * op) {
     a.plan = (const int32_t *) plan->data;
     a.flags = op->op == GGML_OP_OTT_SEAL ? (int32_t *) op->src[9]->data : NULL;
     return a;
+}
+
+// fprintf and abort rather than GGML_ABORT: the emulation library (native/tests/ott-cuda-emu.cpp) includes this and
+// links no ggml
+#define OTT_CU_KNOB_ABORT(...) (fprintf(stderr, __VA_ARGS__), fputc('\n', stderr), fflush(stderr), abort())
+
+// A tuning knob for a GPU session (docs/cuda-harness.md "Tuning builds"), not for users: OTT_CUDA_PART=<cpl>,<rp>,<nw>
+// runs the attention partials by that instance of the template's SWEEP instead of the launcher's, in builds that
+// compile them (CMake OTT_GGUF_CUDA_SWEEP=ON: ott2's default head config), so that the model's decode can be timed
+// with the instance `ott-bench --sweep` found fastest without a rebuild. NW changes the order in which a row's items
+// are summed (the cache's numbers, not what it computes). Where the instance does not exist the op aborts: never
+// another kernel than asked for.
+struct ggml_ott_cu_instance {
+    int cpl, rp, nw; // 0: the launcher's
+};
+static inline ggml_ott_cu_instance ggml_ott_cu_instance_env(void) {
+    static const ggml_ott_cu_instance inst = [] {
+        ggml_ott_cu_instance r = { 0, 0, 0 };
+        const char * s = getenv("OTT_CUDA_PART");
+        char extra = 0;
+        if (s && *s && (sscanf(s, "%d,%d,%d%c", &r.cpl, &r.rp, &r.nw, &extra) != 3 || r.cpl <= 0 || r.rp <= 0 ||
+                        r.nw <= 0)) {
+            OTT_CU_KNOB_ABORT("ott: OTT_CUDA_PART=%s: expected <channels per lane>,<rows per pass>,<warps>, e.g. 2,4,8",
+                              s);
+        }
+        return r;
+    }();
+    return inst;
+}
+static inline void ggml_ott_cu_attn_part(const ott2_cu_ops * ops, const ott_cu_args * a, void * stream) {
+    const ggml_ott_cu_instance v = ggml_ott_cu_instance_env();
+    if (v.cpl == 0) {
+        ops->attn_part(a, stream);
+        return;
+    }
+    if (!ops->attn_part_variant) {
+        OTT_CU_KNOB_ABORT("ott: OTT_CUDA_PART is set, but this build has no other instances of the attention partials "
+                          "for K %d / V %d bits (a build with -DOTT_GGUF_CUDA_SWEEP=ON has them for ott2's default "
+                          "head config)", ops->kbits, ops->vbits);
+    }
+    if (!ops->attn_part_variant(a, stream, v.cpl, v.rp, v.nw)) {
+        OTT_CU_KNOB_ABORT("ott: OTT_CUDA_PART=%d,%d,%d is not an instance of the attention partials at head dimension "
+                          "%d (gen/templates/ott_cuda_ops.j2 SWEEP; cpl channels per lane hold D in (16 cpl, 32 cpl])",
+                          v.cpl, v.rp, v.nw, (int) a->D);
+    }
 }

@@ -2,6 +2,7 @@
 #include "ggml-ott.h"
 #include "ggml-impl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static void ott_check_state(const struct ggml_tensor * ring, const struct ggml_tensor * sk, const struct ggml_tensor * sv,
@@ -74,11 +75,33 @@ struct ggml_tensor * ggml_ott_seal(struct ggml_context * ctx, struct ggml_tensor
     return result;
 }
 
+// OTT_SLICE_GROUPS=<n> (a tuning knob for a GPU session, docs/cuda-harness.md "Tuning builds"; not for users): n
+// groups per slice instead of OTT_SLICE_GROUPS, so that the model can be timed at the slice count `ott-bench --sweep`
+// found fastest. Still a function of NG alone (batch invariance); it changes the order of the merge's sums.
+static int32_t ott_slice_groups(void) {
+    static int32_t gps = 0; // set once; every caller would set the same value
+    if (gps == 0) {
+        const char * s = getenv("OTT_SLICE_GROUPS");
+        int32_t v = OTT_SLICE_GROUPS;
+        if (s && *s) {
+            char * end = NULL;
+            const long x = strtol(s, &end, 10);
+            if (*end != 0 || x < 1 || x > 1 << 20) {
+                GGML_ABORT("ott: OTT_SLICE_GROUPS=%s: expected the sealed groups per slice, an integer >= 1", s);
+            }
+            v = (int32_t) x;
+        }
+        gps = v;
+    }
+    return gps;
+}
+
 int32_t ggml_ott_attn_slices(ggml_backend_buffer_t state_buf, int64_t n_tok, int32_t NG) {
     // one rule for every batch size and backend: slice k always holds groups [k*SG, (k + 1)*SG), SG = ceil(NG/NS),
     // so a query's partial states, and their merge, do not depend on how its batch was split
     (void) state_buf;
     (void) n_tok;
-    const int32_t ns = (NG + OTT_SLICE_GROUPS - 1)/OTT_SLICE_GROUPS;
+    const int32_t gps = ott_slice_groups();
+    const int32_t ns = (NG + gps - 1)/gps;
     return ns < 1 ? 1 : ns > OTT_MAX_SLICES ? OTT_MAX_SLICES : ns;
 }

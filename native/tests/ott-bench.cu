@@ -190,15 +190,17 @@ struct ott_bench_case {
     double bytes[N_ROWS];                      // bytes it moves at least
 };
 
+// at: the ubatch's first position (default: the depth); n_ctx is sized by the depth either way
 static ott_bench_case make_case(const ott_bench_cfg * cfg, const ott_bench_shape * shape, int32_t depth,
-                                int32_t n_tok = 1) {
+                                int32_t n_tok = 1, int32_t at = -1) {
     ott_bench_case c = {};
     c.cfg = cfg;
     c.shape = shape;
-    c.depth = depth;
-    c.n_tok = n_tok;
     // llama-bench -d depth -n 16 (a prefill ubatch: -p n_tok): n_ctx = depth + 16 (n_tok), padded to 256 by llama.cpp
     c.n_ctx = (depth + std::max(16, n_tok) + 255)/256*256;
+    depth = at >= 0 ? at : depth;
+    c.depth = depth;
+    c.n_tok = n_tok;
     c.T = cfg->R + cfg->G;
     c.S = std::max(1, cfg->O + cfg->aux);
     c.NG = std::max(1, (c.n_ctx - cfg->R)/cfg->G);
@@ -666,8 +668,10 @@ static const ott_bench_variant variants[] = {
     { 2, 4, 16 }, { 2, 4, 8 }, { 2, 4, 4 }, { 2, 8, 8 }, { 2, 2, 16 }, // D 64: the launcher's <2, 4, 16> first
     { 4, 4, 8 }, { 4, 4, 4 }, { 4, 2, 8 }, { 4, 2, 4 }, { 4, 1, 16 },  // D 128: <4, 4, 8> first
 };
-// a prefill ubatch: llama.cpp's default n_ubatch on a GPU; the emulation takes a short one (same code, seconds)
-static const int32_t NP_GPU = 512, NP_EMU = 8;
+// a prefill ubatch as the cache runs one: a run of a sequence never crosses a position R + kG (batch invariance,
+// docs/design-ott2-cache.md "Batches"), so a prompt's ubatches at depth are G tokens from such a boundary, whatever
+// n_ubatch; the emulation takes a short one (same code, seconds)
+static const int32_t NP_EMU = 8;
 // largest |variant - launcher| / max |launcher| over the merged output accepted: a variant sums a row's items in
 // another order (NW) or merges other slices (NS), so fp32 rounding apart; RP alone changes no bit
 static const double SWEEP_TOL = 1e-4;
@@ -690,8 +694,10 @@ static int run_sweep(const ott_bench_env & env, const ott_bench_shape * sh, int3
     const ott_bench_cfg & cfg = cfgs[0]; // ott2: k2mv2g128x64
     const auto variant = emu ? ott2_emu_k2mv2g128x64_attn_part_variant : ott2_cuda_k2mv2g128x64_attn_part_variant;
     const int32_t D = sh->D, H = sh->H, n_head = sh->n_head, gq = n_head/H;
-    for (const int32_t n_tok : { 1, emu ? NP_EMU : NP_GPU }) {
-        const ott_bench_case c = make_case(&cfg, sh, depth, n_tok);
+    for (const int32_t n_tok : { 1, emu ? NP_EMU : cfg.G }) {
+        // the prefill ubatch starts at the last boundary R + kG at or below the depth (k groups sealed, R ring tokens)
+        const int32_t at = n_tok == 1 || depth < cfg.R ? depth : cfg.R + (depth - cfg.R)/cfg.G*cfg.G;
+        const ott_bench_case c = make_case(&cfg, sh, depth, n_tok, at);
         print_case(c);
         ott_bench_bufs b = alloc_bufs(c, OTT_MAX_SLICES_BENCH);
         fill_state(c, b);

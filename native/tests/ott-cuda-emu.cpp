@@ -40,7 +40,7 @@ void emu_attn_part(ggml_tensor * dst, int ith, int /*nth*/) {
     if (ith == 0) {
         ott_cu_args a = ggml_ott_cu_args(dst);
         a.part = (float *) dst->data;
-        ops_of(dst)->attn_part(&a, nullptr);
+        ggml_ott_cu_attn_part(ops_of(dst), &a, nullptr); // as ggml-cuda: OTT_CUDA_PART where set
         n_calls++;
     }
 }

@@ -11,6 +11,6 @@ fi
 [ -f .gpu-bundle/cuda-testlib.xz ] && cp .gpu-bundle/cuda-testlib.xz $W/t.xz && mv $W/t.xz $W/cuda-testlib.xz
 end=$((SECONDS + ${WAIT:-500}))
 while [ ! -f $W/done ] && [ $SECONDS -lt $end ]; do sleep 5; done
-cp $W/pipeline.log $W/on-gpu.log $W/build-full.log $W/benchmarks-gpu.md $W/ncu-smol.txt $W/ncu-llama8b.txt $OUT/ 2>/dev/null
+cp $W/pipeline.log $W/on-gpu.log $W/build-full.log $W/benchmarks-gpu.md $W/ncu-*.txt $W/sweep.log $OUT/ 2>/dev/null
 [ -f $W/done ] && echo PIPELINE-DONE || echo PIPELINE-RUNNING
 tail -c 10000 $W/pipeline.log

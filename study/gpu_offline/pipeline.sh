@@ -24,8 +24,8 @@ if [ ! -x $W/ott-bench ] || { [ "$CAP" -lt 90 ] && ! cuobjdump --list-elf $W/ott
   bash native/tests/build-ott-bench.sh $W/bench "$CAP" | tail -1 && cp $W/bench/ott-bench $W/
 fi
 timeout 90 $W/ott-bench; echo "ott-bench rc=$?"
-log "ott-bench --sweep: the partials' instances and slice counts, decode and a 512-token ubatch (docs/cuda-harness.md)"
-timeout 90 $W/ott-bench --sweep; echo "ott-bench --sweep rc=$?"
+log "ott-bench --sweep: the partials' instances and slice counts, decode and a prefill ubatch (docs/cuda-harness.md)"
+timeout 90 $W/ott-bench --sweep | tee $W/sweep.log; echo "ott-bench --sweep rc=${PIPESTATUS[0]}"
 python3 -m pip install -q --no-index --no-deps .gpu-bundle/whl/*.whl
 SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); cp -r .gpu-bundle/py/llama_cpp "$SP"/
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider"
@@ -55,7 +55,9 @@ log "the 8B-shaped model, in the background: python3 -m study.random_gguf --shap
   > $W/random-gguf.log 2>&1 &
 log build
 # the architectures: CMakeLists.txt's default (the visible GPU's) unless CUDA_ARCH names others
+# a tuning build (OTT_GGUF_CUDA_SWEEP): the decode step also times the model with the sweep's fastest partials
 time python3 -m pip install --no-index --no-deps --no-build-isolation -Ccmake.define.OTT_GGUF_CUDA=ON \
+  -Ccmake.define.OTT_GGUF_CUDA_SWEEP=ON \
   ${CUDA_ARCH:+-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH} -Ccmake.define.OTT_GGUF_VULKAN=OFF \
   -Cbuild-dir=$W/build . > $W/build-full.log 2>&1
 rc=$?; tail -3 $W/build-full.log
@@ -84,23 +86,29 @@ log "the first tensor where they part: layers 0-1 of the first ubatch through th
    | grep -v "^llama\|^load\|^print_info"; done)
 log "op placement"; timeout 150 $PT test_gpu.py -k "run_where and smollm2" 2>&1 | tail -8
 cd ..
-# decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved; a run that
-# fails or passes 100 s ends its depth (the deeper one would too)
-bench() {  # model label depth rounds n
+# decode: llama-bench -fa 1 -p 0 -n N -d D -r 1 -ngl 99 per round and type, f16 and ott2 interleaved, and ott2
+# "tuned" where the sweep found partials faster than the launcher's (study/gpu_offline/sweep_pick.py: the tuning
+# knobs OTT_CUDA_PART and OTT_SLICE_GROUPS, docs/cuda-harness.md "Tuning builds"); a run that fails or passes 100 s
+# ends its depth (the deeper one would too)
+bench() {  # model label depth rounds n harness-shape
+  local tune
+  tune=$(python3 -m study.gpu_offline.sweep_pick --shape $6 --depth $3 $W/sweep.log 2>/dev/null)
+  echo "$2 d$3: tuning knobs for the sweep's fastest partials: ${tune:-none (the launcher is fastest)}"
   for r in $(seq $4); do
-    for kv in f16 ott2; do
-      res=$(timeout 100 $B/llama-bench -m $1 -ctk $kv -ctv $kv -fa 1 -p 0 -n $5 -d $3 -r 1 -ngl 99 2>/dev/null \
-        | grep "tg$5")
-      echo "$2 d$3 round $r $kv: ${res:-no tg$5 row (failed, or past 100 s)}"
+    for arm in f16 ott2 ${tune:+tuned}; do
+      kv=${arm/tuned/ott2}
+      res=$(env $([ $arm = tuned ] && echo $tune) timeout 100 $B/llama-bench -m $1 -ctk $kv -ctv $kv -fa 1 -p 0 \
+        -n $5 -d $3 -r 1 -ngl 99 2>/dev/null | grep "tg$5")
+      echo "$2 d$3 round $r $arm: ${res:-no tg$5 row (failed, or past 100 s)}"
       [ -n "$res" ] || return 1
     done
   done
 }
 log "decode, SmolLM2: depth 4096 (3 rounds of tg64), 32768 (2 rounds of tg32)"
-bench $M smol 4096 3 64; bench $M smol 32768 2 32
+bench $M smol 4096 3 64 smol; bench $M smol 32768 2 32 smol
 log "decode, the 8B shape (random Q4_0 weights, 32 layers): depth 4096 (2 rounds of tg32), 32768 (1 round)"
 wait; cat $W/random-gguf.log  # the model writer started before the build
-bench $W/llama3-8b.gguf 8b 4096 2 32 && bench $W/llama3-8b.gguf 8b 32768 1 32
+bench $W/llama3-8b.gguf 8b 4096 2 32 llama8b && bench $W/llama3-8b.gguf 8b 32768 1 32 llama8b
 # prefill at depth (the 8B shape's 32k ott2 prefill passed 100 s on 2026-11-30): pp512 after 4096 tokens, one round
 log "prefill: pp512 at depth 4096, f16 and ott2, both models (1 round)"
 for m in "$M smol" "$W/llama3-8b.gguf 8b"; do
@@ -131,6 +139,14 @@ for shape in smol llama8b; do
   echo "ncu $shape rc=$?"; grep -E "^    (Duration|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Inst|Grid Size)" \
     $W/ncu-$shape.txt
 done
+# the sealing event (150 us at smol 4096 on the H200, 130-200 elsewhere: once per 128 tokens and layer at decode, but
+# once per layer in every 128-token prefill ubatch): the first launch of the seal after the decode seal row's 470
+# (docs/cuda-harness.md "The next minutes")
+timeout 60 $NCU --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+  --section InstructionStats -k regex:k2mv2g128x64_seal --launch-skip 470 -c 1 $W/ott-bench smol 4096 ott2 \
+  > $W/ncu-seal-event.txt 2>&1
+echo "ncu sealing event rc=$?"; grep -E "^    (Duration|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Inst)" \
+  $W/ncu-seal-event.txt
 log "KL divergence against f16 on the GPU (-ngl 99)"
 D=$(echo $OTT_GGUF_CACHE/llama.cpp-*/docs); cat $D/build.md $D/function-calling.md $D/multimodal.md > $W/text.txt
 $B/llama-perplexity -m $M -f $W/text.txt -c 512 --chunks 8 -ngl 99 -t $(nproc) --kl-divergence-base $W/base.kld \
