@@ -92,15 +92,19 @@ cd ..
 # ends its depth (the deeper one would too)
 bench() {  # model label depth rounds n harness-shape
   local tune
-  tune=$(python3 -m study.gpu_offline.sweep_pick --shape $6 --depth $3 $W/sweep.log 2>/dev/null)
-  echo "$2 d$3: tuning knobs for the sweep's fastest partials: ${tune:-none (the launcher is fastest)}"
+  if tune=$(python3 -m study.gpu_offline.sweep_pick --shape $6 --depth $3 $W/sweep.log 2>&1); then
+    echo "$2 d$3: tuning knobs for the sweep's fastest partials: ${tune:-none, the launcher is as fast}"
+  else
+    echo "$2 d$3: no tuned arm: $tune"; tune=""
+  fi
   for r in $(seq $4); do
     for arm in f16 ott2 ${tune:+tuned}; do
       kv=${arm/tuned/ott2}
       res=$(env $([ $arm = tuned ] && echo $tune) timeout 100 $B/llama-bench -m $1 -ctk $kv -ctv $kv -fa 1 -p 0 \
         -n $5 -d $3 -r 1 -ngl 99 2>/dev/null | grep "tg$5")
       echo "$2 d$3 round $r $arm: ${res:-no tg$5 row (failed, or past 100 s)}"
-      [ -n "$res" ] || return 1
+      # a tuned run that fails drops its arm; f16's or ott2's ends the depth (the deeper one would fail too)
+      [ -n "$res" ] || { [ $arm = tuned ] && tune="" && continue; return 1; }
     done
   done
 }
