@@ -13,12 +13,17 @@ bounds, and the emulation's own output within fp32 rounding (the device's expf d
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from cuda_ops import LayerState, OpsLib, build_emu, generate, head_spec, head_tag
+from cuda_ops import ROOT, LayerState, OpsLib, build_emu, generate, head_spec, head_tag
 from native_build import built_lib
 from test_cuda_emu import CASES, HEADS, SCHEDULE, TAGS, case_id, run_scenario
 from vk_ops import SCALARS, VkWorker
@@ -180,3 +185,83 @@ def test_a_head_config_without_vulkan_kernels_is_refused(emu: OpsLib, vk: VkWork
         run_scenario(VulkanOps(emu, vk, seal=False), case)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="ott_vktest_seal returned -2"):
         run_scenario(VulkanOps(emu, vk, attn=False), case)  # type: ignore[arg-type]
+
+
+# The attention partials run a CUDA warp's 32 lanes on a subgroup of W invocations, 32/W lanes each (the butterflies
+# pair lanes across invocations with shuffles below W, inside one above it). llvmpipe's vector width sets W:
+# LP_NATIVE_VECTOR_WIDTH 128 gives subgroups of 4, 512 of 16 (256, the default above, 8; read with
+# vkGetPhysicalDeviceProperties2 on llvmpipe, LLVM 15.0.6). Mixed-width keys (their width table's prefix sums are
+# the one scan across lanes) at W 4, SmolLM2's shape at W 16; the seal does not use subgroups and stays in the
+# emulation here.
+@pytest.mark.parametrize("bits, case", [(128, CASES[11]), (512, CASES[0])], ids=["W4-kmix", "W16"])
+def test_vulkan_attention_at_other_subgroup_sizes(emu: OpsLib, bits: int, case: tuple) -> None:
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", LP_NATIVE_VECTOR_WIDTH=str(bits))
+    w = VkWorker(built_lib("ott_vk_test"), env)
+    try:
+        assert w.device and f"{bits} bits" in w.device, w.device
+        lib = VulkanOps(emu, w, seal=False)
+        run_scenario(lib, case)  # type: ignore[arg-type]
+        print(f"{w.device}: {lib.runs} ubatches, max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")
+        assert lib.runs == sum(n <= VK_ATTN_MAX_TOKENS for n in SCHEDULE) and lib.max_rel <= 1e-5
+    finally:
+        w.close()
+
+
+def test_a_device_that_cannot_require_subgroups_refuses_the_attention(emu: OpsLib) -> None:
+    """GGML_VK_OTT_DISABLE_SUBGROUPS makes lavapipe answer as a device without shuffles or a subgroup size it can
+    require: the partials are refused (the cache is then refused, naming the op), the seal still runs."""
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", GGML_VK_OTT_DISABLE_SUBGROUPS="1")
+    w = VkWorker(built_lib("ott_vk_test"), env)
+    try:
+        with pytest.raises(RuntimeError, match="ott_vktest_attn returned -2"):
+            run_scenario(VulkanOps(emu, w, seal=False), CASES[0])  # type: ignore[arg-type]
+    finally:
+        w.close()
+
+
+def _shared_floats(comp: str, consts: dict[str, int]) -> int:
+    """The 4-byte words of a shader's global shared arrays (each declared `SHARED float|int name[dims]...;`),
+    its specialization constants at consts."""
+    words = 0
+    for m in re.finditer(r"^ {4}SHARED (\w+)\s+(.*?);", comp, re.M):
+        assert m.group(1) in ("float", "int"), m.group(0)
+        for decl in re.findall(r"\w+((?:\[[^]]+\])*)", m.group(2)):
+            n = 1
+            for dim in re.findall(r"\[([^]]+)\]", decl):
+                n *= int(eval(dim.replace("/", "//"), {}, dict(consts)))  # noqa: S307 - the shader's own sizes
+            words += n
+    return words
+
+
+def test_the_partials_shared_memory_is_what_the_host_counts(tmp_path: Path) -> None:
+    """ggml-vulkan-ott.cpp picks each instance's NW and RP so that its shared memory fits the device's limit (llvmpipe
+    has 32 KiB, CUDA's D 64 instance takes 38): by ott2_vk_part_shared_bytes (ott_vk.h.j2), which must count what
+    the GLSL declares. Read from the generated shaders at every instance, with and without mixed-width keys."""
+    subprocess.run([sys.executable, str(ROOT / "gen" / "generate.py"), "ggml", "--out", str(tmp_path)], check=True)
+    comps = sorted(tmp_path.glob("ott2-vk-*-attn_part.comp"))
+    assert len(comps) >= 16
+    for c in tmp_path.glob("ott2-vk-*.comp"):
+        (tmp_path / f"{c.stem}.spv.inc").write_text("{0}")  # the SPIR-V, which only the build compiles
+    (tmp_path / "bytes.c").write_text(
+        '#include <stdio.h>\n#include "ott2-vk.h"\nint main(void) {\n'
+        "    for (int k = 0; k < 2; ++k)\n"
+        "    for (int j = 0; j < OTT2_VK_VEC_COUNT; ++j)\n"
+        "    for (int nw = 1; nw <= 16; nw *= 2)\n"
+        "    for (int rp = 1; rp <= 4; rp *= 2) {\n"
+        "        const int cpl = ott2_vk_vecs[j].cpl;\n"
+        '        printf("%d %d %d %d %u\\n", k, cpl, rp, nw, ott2_vk_part_shared_bytes(cpl, rp, nw, k != 0));\n'
+        "    }\n    return 0;\n}\n"
+    )
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc
+    exe = tmp_path / "bytes"
+    subprocess.run([cc, "-O0", "-I", str(tmp_path), str(tmp_path / "bytes.c"), "-o", str(exe)], check=True)
+    host = {tuple(int(x) for x in line.split()[:4]): int(line.split()[4]) for line in
+            subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()}  # fmt: skip
+    for kmix in (0, 1):
+        comp = next(c for c in comps if ("m" in c.name.split("-")[2].split("v")[0]) == bool(kmix)).read_text()
+        for (kk, cpl, rp, nw), nbytes in host.items():
+            if kk == kmix:
+                consts = {"CPL": cpl, "RP": rp, "NW": nw, "DW": 32 * cpl, "WSZ": 2 * rp * 32 * cpl,
+                          "KTC": (cpl + 3) // 4, "OTT_MAXPOOL": 128}  # fmt: skip
+                assert 4 * _shared_floats(comp, consts) == nbytes, (kmix, cpl, rp, nw)

@@ -47,6 +47,43 @@ static ott_vk_features ott_vk_device_features(const vk_device & device) {
     return it->second;
 }
 
+uint32_t ggml_vk_ott_lanes(const vk_device & device) {
+    // GGML_VK_OTT_DISABLE_SUBGROUPS, as GGML_VK_OTT_DISABLE_F64: act as a device that cannot require them
+    if (!device->subgroup_basic || !device->subgroup_shuffle || !device->subgroup_size_control ||
+        !device->subgroup_require_full_support || getenv("GGML_VK_OTT_DISABLE_SUBGROUPS") != nullptr) {
+        return 0;
+    }
+    const uint32_t w = device->subgroup_max_size < 32 ? device->subgroup_max_size : 32;
+    return w >= device->subgroup_min_size && w > 0 && (w & (w - 1)) == 0 ? w : 0;
+}
+
+ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix) {
+    GGML_ASSERT(j >= 0 && j < OTT2_VK_VEC_COUNT);
+    const vk::PhysicalDeviceLimits & lim = device->properties.limits;
+    const uint32_t W = ggml_vk_ott_lanes(device);
+    const uint32_t max_wg = lim.maxComputeWorkGroupInvocations < lim.maxComputeWorkGroupSize[0] ?
+        lim.maxComputeWorkGroupInvocations : lim.maxComputeWorkGroupSize[0];
+    ott2_vk_vec v = ott2_vk_vecs[j];
+    while ((ott2_vk_part_shared_bytes(v.cpl, v.rp, v.nw, kmix) > lim.maxComputeSharedMemorySize || (uint32_t) v.nw*W > max_wg) &&
+           (v.nw > 1 || v.rp > 1)) {
+        if (v.nw > 1) {
+            v.nw /= 2;
+        } else {
+            v.rp /= 2;
+        }
+    }
+    return v;
+}
+
+// the attention partials' instance for head dimension D: the first whose dmax >= D (supports_op: D <= 512)
+static int ott_vk_vec_index(int32_t D) {
+    int j = 0;
+    while (j + 1 < OTT2_VK_VEC_COUNT && ott2_vk_vecs[j].dmax < D) {
+        ++j;
+    }
+    return j;
+}
+
 // the index of op's shader for `kernel` (its head config's), -1 if the build has none
 static int ott_vk_shader(const ggml_ott_params & p, const char * kernel) {
     return ott2_vk_find(kernel, p.kbits, p.vbits, (p.flags & GGML_OTT_K_MIX) != 0, (p.flags & GGML_OTT_V_SYM) != 0, p.G, p.Gv);
@@ -64,11 +101,13 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
         case GGML_OP_OTT_SEAL: {
             // reads (the seal: writes in place) the cache's state where it lives, never a copy of it, with the
             // kernels of its head config; D up to 512 (4 channels per thread of 128), whole rotation units, sealed
-            // groups as laid out here. The seal sums fp16 values exactly in fp64 (shaderFloat64).
+            // groups as laid out here. The seal sums fp16 values exactly in fp64 (shaderFloat64), the partials
+            // run a warp's lanes on subgroups the pipeline requires (ggml_vk_ott_lanes).
             const bool seal = op->op == GGML_OP_OTT_SEAL;
             const int i = ott_vk_shader(p, seal ? "seal" : "attn_part");
             const ott_vk_features f = ott_vk_device_features(device);
-            if (i < 0 || ggml_ott_k_young(&p) != 0 || ggml_ott_v_young(&p) != 0 || !f.storage_8_16 || (seal && !f.float64) || p.D > 512 || p.D % p.Gv != 0 ||
+            if (i < 0 || ggml_ott_k_young(&p) != 0 || ggml_ott_v_young(&p) != 0 || !f.storage_8_16 || (seal && !f.float64) ||
+                (!seal && ggml_vk_ott_lanes(device) == 0) || p.D > 512 || p.D % p.Gv != 0 || p.D % 32 != 0 ||
                 ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0) || (seal && p.outlier_num > 64)) {
                 return false;
             }
@@ -115,7 +154,7 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
     const int i = ott_vk_shader(p, "attn_part");
     GGML_ASSERT(i >= 0);
     const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
-    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i][ott_vk_vec_index(p.D)];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     const ggml_tensor * const * s = dst->src;
@@ -124,7 +163,7 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
           ggml_vk_tensor_subbuffer(ctx, s[3]), ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]),
           ggml_vk_tensor_subbuffer(ctx, s[6]), ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]),
           ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
-        ott_vk_grid(ctx->device, ns*p.H*(p.NS + 1)*n_tok*p.n_head/p.H)); // a unit per token (OTT_TC = 1) and query head
+        ott_vk_grid(ctx->device, ns*p.H*(p.NS + p.n_head/p.H)*((n_tok + OTT2_VK_TC - 1)/OTT2_VK_TC))); // units as the shader's
 }
 
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
@@ -135,7 +174,7 @@ void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     GGML_ASSERT(part->ne[0] == p.D + 2 && part->ne[1] == (int64_t) (p.n_head/p.H)*n_tok && part->ne[2] == p.H);
     const int i = ott_vk_shader(p, "attn_merge");
     GGML_ASSERT(i >= 0);
-    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
@@ -148,7 +187,7 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     const int i = ott_vk_shader(p, "seal");
     GGML_ASSERT(i >= 0);
     const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
-    vk_pipeline & pipeline = ctx->device->pipeline_ott[i];
+    vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     const ggml_tensor * const * s = dst->src;

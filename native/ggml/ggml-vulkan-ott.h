@@ -6,6 +6,8 @@
 #include "ott2-vk.h"
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 // ott_cu_args' scalars (ott2-cuda.h), the shaders' push constants (ott_vk_push in the generated GLSL)
@@ -15,8 +17,10 @@ struct ott_vk_push {
     int32_t v_rotate;
 };
 
-// vk_device_struct::pipeline_ott (patch 0006) holds one pipeline per generated kernel
-static_assert(OTT2_VK_COUNT <= sizeof(vk_device_struct::pipeline_ott)/sizeof(vk_pipeline), "vk_device_struct::pipeline_ott is too short");
+// vk_device_struct::pipeline_ott (patch 0006) holds one pipeline per generated kernel and, for the attention
+// partials, per instance (ott2_vk_vecs: the head dimension's)
+static_assert(OTT2_VK_COUNT <= sizeof(vk_device_struct::pipeline_ott)/sizeof(vk_device_struct::pipeline_ott[0]), "vk_device_struct::pipeline_ott is too short");
+static_assert(OTT2_VK_VEC_COUNT <= sizeof(vk_device_struct::pipeline_ott[0])/sizeof(vk_pipeline), "vk_device_struct::pipeline_ott has too few instances");
 
 // whether `dev` runs op (an ott op); the ops that read or write the cache's state run only where it lives
 bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, const ggml_tensor * op);
@@ -26,12 +30,37 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst);
 
+// the subgroup size W the attention partials' pipelines require (a CUDA warp's 32 lanes on W invocations, 32/W
+// lanes each): the largest power of two <= 32 the device can require with full subgroups; 0 where it cannot
+// (no subgroup shuffles, no VK_EXT_subgroup_size_control, or only subgroups of 64), and supports_op refuses
+uint32_t ggml_vk_ott_lanes(const vk_device & device);
+// the attention partials' instance j (ott2_vk_vecs) on this device: CUDA's CPL, RP and NW, NW then RP halved until
+// its shared memory and workgroup fit the device's limits (a function of the device and D alone: batch invariance)
+ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix);
+
 // from ggml_vk_load_shaders, with its pipeline create function: the ott pipelines, compiled on first use as
-// every ggml-vulkan pipeline is (workgroups of OTT_NT threads; the dispatch counts workgroups)
+// every ggml-vulkan pipeline is (the seal and the merge: workgroups of OTT_NT threads; the partials: NW*W
+// invocations in subgroups of W; the dispatch counts workgroups)
 template <typename F> static void ggml_vk_ott_load_shaders(vk_device & device, const F & create) {
+    const uint32_t W = ggml_vk_ott_lanes(device);
     for (int i = 0; i < OTT2_VK_COUNT; ++i) {
         const ott2_vk_shader & s = ott2_vk_shaders[i];
-        create(device, device->pipeline_ott[i], s.name, s.size, s.spv, "main", s.n_bindings,
-               (uint32_t) sizeof(ott_vk_push), {1, 1, 1}, std::vector<uint32_t>{}, 1);
+        if (strcmp(ott2_vk_keys[i].kernel, "attn_part") != 0) {
+            create(device, device->pipeline_ott[i][0], s.name, s.size, s.spv, "main", s.n_bindings,
+                   (uint32_t) sizeof(ott_vk_push), {1, 1, 1}, std::vector<uint32_t>{}, 1);
+            continue;
+        }
+        if (W == 0) {
+            continue; // refused by supports_op
+        }
+        for (int j = 0; j < OTT2_VK_VEC_COUNT; ++j) {
+            const ott2_vk_vec v = ggml_vk_ott_vec(device, j, ott2_vk_keys[i].kmix != 0);
+            const std::string name = std::string(s.name) + "_d" + std::to_string(v.dmax);
+            // specialization constants 0-4 of the shader: W, CPL, RP, NW, and the workgroup size NW*W
+            create(device, device->pipeline_ott[i][j], name.c_str(), s.size, s.spv, "main", s.n_bindings,
+                   (uint32_t) sizeof(ott_vk_push), {1, 1, 1},
+                   std::vector<uint32_t>{ W, (uint32_t) v.cpl, (uint32_t) v.rp, (uint32_t) v.nw, (uint32_t) v.nw*W }, 1,
+                   false, true, W);
+        }
     }
 }
