@@ -211,7 +211,8 @@ def test_python_llama_answers_with_the_ott_cache_on_vulkan0(smollm2: Path, vk_en
     assert out["vulkan"] == " Paris", out
 
 
-# A device without fp64 (Intel Arc) cannot run the seal: GGML_VK_OTT_DISABLE_F64 makes lavapipe answer as one
+# A device without fp64 (Intel Arc) cannot run the ott ops (the seal sums in it, both divide in it):
+# GGML_VK_OTT_DISABLE_F64 makes lavapipe answer as one
 REFUSAL_SCRIPT = """
 import json, sys
 from ott_gguf import Llama
@@ -235,7 +236,7 @@ print(json.dumps(out))
 
 
 @needs_vulkan
-def test_a_device_that_cannot_run_the_seal_refuses_the_cache_and_gives_its_memory_back(
+def test_a_device_without_fp64_refuses_the_cache_and_gives_its_memory_back(
     smollm2: Path, vk_env: dict[str, str]
 ) -> None:
     """The refusal is made after the cache's buffers exist on the device (supports_op asks of the state where it
@@ -250,7 +251,7 @@ def test_a_device_that_cannot_run_the_seal_refuses_the_cache_and_gives_its_memor
     print(out["rss"], out["answer"])
     for e in out["errors"]:
         assert e is not None, out
-        assert "layer 0 is offloaded to Vulkan0" in e and "cannot run its ott seal" in e and "-nkvo" in e, e
+        assert "layer 0 is offloaded to Vulkan0" in e and "cannot run its ott attention" in e and "-nkvo" in e, e
     # measured with the buffers freed: 147.0 MiB after each refusal
     assert out["rss"][-1] - out["rss"][0] < 50, out["rss"]
     assert out["answer"] == " Paris", out

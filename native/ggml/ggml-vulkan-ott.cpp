@@ -21,10 +21,12 @@ static bool ott_vk_in_buffer_of(ggml_backend_dev_t dev, const ggml_tensor * t) {
     return t->buffer && ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) == dev;
 }
 
-// the shaders read and write the state's bytes and halves as 8- and 16-bit storage; the seal sums in fp64
+// the shaders read and write the state's bytes and halves as 8- and 16-bit storage; the seal sums in fp64 (and both
+// divide in it, correctly rounded); a workgroup of the partials holds at most max_subgroups subgroups
 struct ott_vk_features {
     bool storage_8_16;
     bool float64;
+    uint32_t max_subgroups;
 };
 
 static ott_vk_features ott_vk_device_features(const vk_device & device) {
@@ -42,6 +44,12 @@ static ott_vk_features ott_vk_device_features(const vk_device & device) {
         // (Intel Arc), so that the refusal such a device gets can be seen on any device (tests/test_vulkan.py)
         r.float64 = f.get<vk::PhysicalDeviceFeatures2>().features.shaderFloat64 &&
                     getenv("GGML_VK_OTT_DISABLE_F64") == nullptr;
+        r.max_subgroups = 0;
+        if (device->subgroup_size_control) {
+            const auto p = device->physical_device.getProperties2<vk::PhysicalDeviceProperties2,
+                                                                  vk::PhysicalDeviceSubgroupSizeControlPropertiesEXT>();
+            r.max_subgroups = p.get<vk::PhysicalDeviceSubgroupSizeControlPropertiesEXT>().maxComputeWorkgroupSubgroups;
+        }
         it = known.emplace(device.get(), r).first;
     }
     return it->second;
@@ -63,9 +71,10 @@ ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix) {
     const uint32_t W = ggml_vk_ott_lanes(device);
     const uint32_t max_wg = lim.maxComputeWorkGroupInvocations < lim.maxComputeWorkGroupSize[0] ?
         lim.maxComputeWorkGroupInvocations : lim.maxComputeWorkGroupSize[0];
+    const uint32_t max_sg = ott_vk_device_features(device).max_subgroups;
     ott2_vk_vec v = ott2_vk_vecs[j];
-    while ((ott2_vk_part_shared_bytes(v.cpl, v.rp, v.nw, kmix) > lim.maxComputeSharedMemorySize || (uint32_t) v.nw*W > max_wg) &&
-           (v.nw > 1 || v.rp > 1)) {
+    while ((ott2_vk_part_shared_bytes(v.cpl, v.rp, v.nw, kmix) > lim.maxComputeSharedMemorySize || (uint32_t) v.nw*W > max_wg ||
+            (uint32_t) v.nw > max_sg) && (v.nw > 1 || v.rp > 1)) {
         if (v.nw > 1) {
             v.nw /= 2;
         } else {
@@ -101,12 +110,12 @@ bool ggml_vk_ott_supports_op(ggml_backend_dev_t dev, const vk_device & device, c
         case GGML_OP_OTT_SEAL: {
             // reads (the seal: writes in place) the cache's state where it lives, never a copy of it, with the
             // kernels of its head config; D up to 512 (4 channels per thread of 128), whole rotation units, sealed
-            // groups as laid out here. The seal sums fp16 values exactly in fp64 (shaderFloat64), the partials
-            // run a warp's lanes on subgroups the pipeline requires (ggml_vk_ott_lanes).
+            // groups as laid out here. The seal sums fp16 values exactly in fp64 (shaderFloat64), both divide in
+            // it, the partials run a warp's lanes on subgroups the pipeline requires (ggml_vk_ott_lanes).
             const bool seal = op->op == GGML_OP_OTT_SEAL;
             const int i = ott_vk_shader(p, seal ? "seal" : "attn_part");
             const ott_vk_features f = ott_vk_device_features(device);
-            if (i < 0 || ggml_ott_k_young(&p) != 0 || ggml_ott_v_young(&p) != 0 || !f.storage_8_16 || (seal && !f.float64) ||
+            if (i < 0 || ggml_ott_k_young(&p) != 0 || ggml_ott_v_young(&p) != 0 || !f.storage_8_16 || !f.float64 ||
                 (!seal && ggml_vk_ott_lanes(device) == 0) || p.D > 512 || p.D % p.Gv != 0 || p.D % 32 != 0 ||
                 ((p.flags & GGML_OTT_V_ROTATE) && p.D % 64 != 0) || (seal && p.outlier_num > 64)) {
                 return false;

@@ -74,7 +74,7 @@ static void ott_check_device_ops(const char * type_name, const ott_layer & L, gg
                                  "), which cannot run its ott " + refused + " (K " + std::to_string(p.kbits) +
                                  " bits, V " + std::to_string(p.vbits) + " bits, head dim " + std::to_string(p.D) +
                                  "; the Vulkan kernels need 8- and 16-bit storage buffers, the attention also subgroup shuffles and a "
-                                 "required subgroup size of at most 32, the seal fp64): keep "
+                                 "required subgroup size of at most 32, and fp64): keep "
                                  "the K/V cache on the CPU (no_kv_offload / -nkvo)");
     }
 }
