@@ -87,10 +87,6 @@ VK_SHARED_KERNELS = ("attn_merge",)  # read no cache state: one shader for every
 # per pass, NW warps), the first whose D fits; CUDA's launcher, ott-bench's kernel lookup and the Vulkan pipelines
 # (ott_vk.h.j2: their specialization constants, NW and RP smaller where shared memory is short) read this table
 VEC = ((64, 2, 4, 16), (128, 4, 4, 8), (256, 8, 2, 4), (512, 16, 1, 4))
-# ubatch tokens per Vulkan attention unit (CUDA's OTT_TC is 8): with 8, lavapipe computed wrong sums for the rows
-# after the 7th pass of a unit's row loop (D 256, four query heads: 16 passes of 2 rows), as it did for the block
-# kernel's long row loops (docs/vulkan-ops.md); with 1 a unit runs gq rows
-VK_TC = 1
 
 
 @dataclass(frozen=True)
@@ -284,7 +280,7 @@ def env() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    e.globals.update(WIDTH=WIDTH, Q8_1_BLOCK=Q8_1_BLOCK, VK_BINDINGS=VK_BINDINGS, VEC=VEC, VK_TC=VK_TC)
+    e.globals.update(WIDTH=WIDTH, Q8_1_BLOCK=Q8_1_BLOCK, VK_BINDINGS=VK_BINDINGS, VEC=VEC)
     return e
 
 

@@ -191,17 +191,22 @@ def test_a_head_config_without_vulkan_kernels_is_refused(emu: OpsLib, vk: VkWork
 # pair lanes across invocations with shuffles below W, inside one above it). llvmpipe's vector width sets W:
 # LP_NATIVE_VECTOR_WIDTH 128 gives subgroups of 4, 512 of 16 (256, the default above, 8; read with
 # vkGetPhysicalDeviceProperties2 on llvmpipe, LLVM 15.0.6). Mixed-width keys (their width table's prefix sums are
-# the one scan across lanes) at W 4, SmolLM2's shape at W 16; the seal does not use subgroups and stays in the
-# emulation here.
-@pytest.mark.parametrize("bits, case", [(128, CASES[11]), (512, CASES[0])], ids=["W4-kmix", "W16"])
-def test_vulkan_attention_at_other_subgroup_sizes(emu: OpsLib, bits: int, case: tuple) -> None:
-    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", LP_NATIVE_VECTOR_WIDTH=str(bits))
+# the one scan across lanes) at W 4, SmolLM2's shape at W 16. A unit takes 1 ubatch token on lavapipe and 8 on a
+# GPU (ggml_vk_ott_tc: llvmpipe ends a shader's loops after 65535 iterations in all, which 8 tokens' rows pass at
+# D 256 in this scenario); SmolLM2's shape stays under it with 8, the GPUs' path (GGML_VK_OTT_TC=8). The seal does
+# not use subgroups and stays in the emulation here.
+@pytest.mark.parametrize(
+    "bits, tc, case", [(128, 1, CASES[11]), (512, 1, CASES[0]), (256, 8, CASES[0])], ids=["W4-kmix", "W16", "W8-TC8"]
+)
+def test_vulkan_attention_at_other_subgroup_sizes(emu: OpsLib, bits: int, tc: int, case: tuple) -> None:
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", LP_NATIVE_VECTOR_WIDTH=str(bits), GGML_VK_OTT_TC=str(tc))
     w = VkWorker(built_lib("ott_vk_test"), env)
     try:
         assert w.device and f"{bits} bits" in w.device, w.device
         lib = VulkanOps(emu, w, seal=False)
         run_scenario(lib, case)  # type: ignore[arg-type]
-        print(f"{w.device}: {lib.runs} ubatches, max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")
+        print(f"{w.device}, {tc} tokens a unit: {lib.runs} ubatches, max |vulkan - emulation| / max |out| = "
+              f"{lib.max_rel:.2e}")  # fmt: skip
         assert lib.runs == sum(n <= VK_ATTN_MAX_TOKENS for n in SCHEDULE) and lib.max_rel <= 1e-5
     finally:
         w.close()

@@ -84,6 +84,16 @@ ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix) {
     return v;
 }
 
+uint32_t ggml_vk_ott_tc(const vk_device & device) {
+    const char * e = getenv("GGML_VK_OTT_TC");
+    if (e != nullptr) {
+        const int tc = atoi(e);
+        GGML_ASSERT((tc == 1 || tc == 8) && "GGML_VK_OTT_TC must be 1 or 8");
+        return (uint32_t) tc;
+    }
+    return device->properties.deviceType == vk::PhysicalDeviceType::eCpu ? 1 : 8;
+}
+
 // the attention partials' instance for head dimension D: the first whose dmax >= D (supports_op: D <= 512)
 static int ott_vk_vec_index(int32_t D) {
     int j = 0;
@@ -164,6 +174,7 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
     GGML_ASSERT(i >= 0);
     const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
     vk_pipeline & pipeline = ctx->device->pipeline_ott[i][ott_vk_vec_index(p.D)];
+    const int64_t tc = ggml_vk_ott_tc(ctx->device);
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     const ggml_tensor * const * s = dst->src;
@@ -172,7 +183,7 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
           ggml_vk_tensor_subbuffer(ctx, s[3]), ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]),
           ggml_vk_tensor_subbuffer(ctx, s[6]), ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]),
           ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
-        ott_vk_grid(ctx->device, ns*p.H*(p.NS + p.n_head/p.H)*((n_tok + OTT2_VK_TC - 1)/OTT2_VK_TC))); // units as the shader's
+        ott_vk_grid(ctx->device, ns*p.H*(p.NS + p.n_head/p.H)*((n_tok + tc - 1)/tc))); // units as the shader's
 }
 
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {

@@ -37,6 +37,11 @@ uint32_t ggml_vk_ott_lanes(const vk_device & device);
 // the attention partials' instance j (ott2_vk_vecs) on this device: CUDA's CPL, RP and NW, NW then RP halved until
 // its shared memory and workgroup fit the device's limits (a function of the device and D alone: batch invariance)
 ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix);
+// the attention partials' ubatch tokens per unit: 8, as CUDA's OTT_TC (a prefill ubatch reads each sealed group
+// once per 8 tokens), and 1 on a CPU device (lavapipe): llvmpipe ends every loop of a shader invocation after
+// 65535 loop iterations counted over all of them (Mesa's LP_MAX_TGSI_LOOP_ITERATIONS), which a unit of 8 tokens'
+// rows passes at a few hundred sealed tokens per warp; GGML_VK_OTT_TC=1 or 8 overrides it (tests/test_vulkan_ops.py)
+uint32_t ggml_vk_ott_tc(const vk_device & device);
 
 // from ggml_vk_load_shaders, with its pipeline create function: the ott pipelines, compiled on first use as
 // every ggml-vulkan pipeline is (the seal and the merge: workgroups of OTT_NT threads; the partials: NW*W
@@ -56,11 +61,11 @@ template <typename F> static void ggml_vk_ott_load_shaders(vk_device & device, c
         for (int j = 0; j < OTT2_VK_VEC_COUNT; ++j) {
             const ott2_vk_vec v = ggml_vk_ott_vec(device, j, ott2_vk_keys[i].kmix != 0);
             const std::string name = std::string(s.name) + "_d" + std::to_string(v.dmax);
-            // specialization constants 0-4 of the shader: W, CPL, RP, NW, and the workgroup size NW*W
+            // specialization constants 0-5 of the shader: W, CPL, RP, NW, the workgroup size NW*W, tokens per unit
             create(device, device->pipeline_ott[i][j], name.c_str(), s.size, s.spv, "main", s.n_bindings,
                    (uint32_t) sizeof(ott_vk_push), {1, 1, 1},
-                   std::vector<uint32_t>{ W, (uint32_t) v.cpl, (uint32_t) v.rp, (uint32_t) v.nw, (uint32_t) v.nw*W }, 1,
-                   false, true, W);
+                   std::vector<uint32_t>{ W, (uint32_t) v.cpl, (uint32_t) v.rp, (uint32_t) v.nw, (uint32_t) v.nw*W,
+                                          ggml_vk_ott_tc(device) }, 1, false, true, W);
         }
     }
 }
