@@ -15,6 +15,10 @@ export OTT_GGUF_CACHE=$W/cache/ott-gguf PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUN
 cd $W/repo
 log() { echo "== $(date +%T) $*"; }
 log env; nvidia-smi -L; nvcc --version | tail -1; cmake --version | head -1; python3 --version; nproc
+# whether the ott ops could also run through Vulkan here (no Vulkan GPU has run them: docs/vulkan-ops.md): the
+# driver's ICD files, the loader, glslc; a second's look, for a later pass to plan on
+log "vulkan: ICDs, loader, glslc"; ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1 | tr '\n' ' '; echo
+ldconfig -p | grep -i libvulkan | head -2; command -v glslc vulkaninfo || echo "no glslc or vulkaninfo"
 log "ott-bench: the ott2 CUDA ops alone on random state (docs/cuda-harness.md)"
 CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 [ -f .gpu-bundle/ott-bench.xz ] && xz -dc .gpu-bundle/ott-bench.xz > $W/ott-bench && chmod +x $W/ott-bench
