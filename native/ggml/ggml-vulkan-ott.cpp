@@ -27,6 +27,7 @@ struct ott_vk_features {
     bool storage_8_16;
     bool float64;
     uint32_t max_subgroups;
+    uint32_t tc; // ggml_vk_ott_tc
 };
 
 static ott_vk_features ott_vk_device_features(const vk_device & device) {
@@ -49,6 +50,14 @@ static ott_vk_features ott_vk_device_features(const vk_device & device) {
             const auto p = device->physical_device.getProperties2<vk::PhysicalDeviceProperties2,
                                                                   vk::PhysicalDeviceSubgroupSizeControlPropertiesEXT>();
             r.max_subgroups = p.get<vk::PhysicalDeviceSubgroupSizeControlPropertiesEXT>().maxComputeWorkgroupSubgroups;
+        }
+        // GGML_VK_OTT_TC: read once, so that every dispatch counts the units its pipeline was made for
+        const char * e = getenv("GGML_VK_OTT_TC");
+        r.tc = device->properties.deviceType == vk::PhysicalDeviceType::eCpu ? 1 : 8;
+        if (e != nullptr) {
+            const int tc = atoi(e);
+            GGML_ASSERT((tc == 1 || tc == 8) && "GGML_VK_OTT_TC must be 1 or 8");
+            r.tc = (uint32_t) tc;
         }
         it = known.emplace(device.get(), r).first;
     }
@@ -85,13 +94,7 @@ ott2_vk_vec ggml_vk_ott_vec(const vk_device & device, int j, bool kmix) {
 }
 
 uint32_t ggml_vk_ott_tc(const vk_device & device) {
-    const char * e = getenv("GGML_VK_OTT_TC");
-    if (e != nullptr) {
-        const int tc = atoi(e);
-        GGML_ASSERT((tc == 1 || tc == 8) && "GGML_VK_OTT_TC must be 1 or 8");
-        return (uint32_t) tc;
-    }
-    return device->properties.deviceType == vk::PhysicalDeviceType::eCpu ? 1 : 8;
+    return ott_vk_device_features(device).tc;
 }
 
 // the attention partials' instance for head dimension D: the first whose dmax >= D (supports_op: D <= 512)
