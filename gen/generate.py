@@ -82,6 +82,8 @@ VK_BINDINGS: dict[str, list[tuple[str, str, str]]] = {
              ("sk", "uint8_t", "coherent"), ("sv", "uint8_t", "coherent"), ("pkv", "uint16_t", "coherent"),
              ("pmeta", "int", "coherent"), ("plan", "int", "readonly"), ("flags", "int", "coherent")],
 }  # fmt: skip
+# the merge and the seal in one dispatch (CUDA's attn_merge_seal): workgroups [0, n_merge) merge, the rest seal
+VK_BINDINGS["attn_merge_seal"] = VK_BINDINGS["attn_merge"] + VK_BINDINGS["seal"]
 VK_SHARED_KERNELS = ("attn_merge",)  # read no cache state: one shader for every head config
 # the attention partials' instances (ott_cuda_ops.j2 attn_part_vec_kernel): (D at most, CPL channels per lane, RP rows
 # per pass, NW warps), the first whose D fits; CUDA's launcher, ott-bench's kernel lookup and the Vulkan pipelines

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from cuda_ops import ROOT, LayerState, OpsLib, build_emu, generate, head_spec, head_tag
 from native_build import built_lib
-from test_cuda_emu import CASES, HEADS, SCHEDULE, TAGS, case_id, run_scenario
+from test_cuda_emu import CASES, HEADS, SCHEDULE, TAGS, case_id, head_config, run_scenario, scenario_kv
 from vk_ops import SCALARS, VkWorker
 
 from ott_gguf import build_info
@@ -102,33 +102,39 @@ class VulkanOps:
         return {k: self._array(getattr(a, k), *sizes[k]) for k in names}
 
     def run(self, tag: str, op: str, a: Any) -> None:
+        """op as OpsLib.run; "attn_seal" runs the layer's three ops in one graph on the device (ggml-vulkan runs the
+        merge and the seal in one dispatch where it fuses them: ggml-vulkan-ott.cpp)."""
         head = self._head(tag, a)
         scalars = {k: getattr(a, k) for k in SCALARS}
-        if op == "seal" and self.seal:
-            views = self._views(a, head, ("k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
-            inputs = {k: x.copy() for k, x in views.items()}
-            self.emu.run(tag, op, a)  # in place: the emulation's state
-            got = self.vk.seal(scalars, head, inputs)
-            for k, x in got.items():
+        attn = op in ("attn", "attn_seal") and self.attn and a.n_tok <= VK_ATTN_MAX_TOKENS
+        seal = op in ("seal", "attn_seal") and self.seal
+        views = self._views(a, head, ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
+        inputs = {k: x.copy() for k, x in views.items()}  # before the emulation changes the state in place
+        self.emu.run(tag, op, a)
+        gq = a.n_head // a.H
+        part_shape = (a.ns * (a.NS + 1), a.H, gq * a.n_tok, a.D + 2)
+        out_shape = (a.ns, a.n_tok, a.n_head, a.D)
+        got_out = state = None
+        if attn and op == "attn_seal" and seal:
+            _, got_out, state = self.vk.attn_seal(scalars, head, inputs, part_shape, out_shape)
+        elif attn:
+            names = ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan")
+            _, got_out = self.vk.attn(scalars, head, {k: inputs[k] for k in names}, part_shape, out_shape)
+        if seal and state is None:
+            names = ("k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags")
+            state = self.vk.seal(scalars, head, {k: inputs[k] for k in names})
+        if state is not None:
+            for k, x in state.items():
                 diff = np.flatnonzero(x != views[k])
                 assert diff.size == 0, f"{k}: the device's seal differs from the emulation's at {diff[:8]} of {x.size}"
                 views[k][...] = x
             self.seals += 1
-            return
-        self.emu.run(tag, op, a)
-        if op != "attn" or not self.attn or a.n_tok > VK_ATTN_MAX_TOKENS:
-            return
-        names = ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan")
-        inputs = {k: x.copy() for k, x in self._views(a, head, names).items()}
-        gq = a.n_head // a.H
-        part_shape = (a.ns * (a.NS + 1), a.H, gq * a.n_tok, a.D + 2)
-        out_shape = (a.ns, a.n_tok, a.n_head, a.D)
-        out = self._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
-        _, got = self.vk.attn(scalars, head, inputs, part_shape, out_shape)
-        scale = max(float(np.abs(out).max()), 1e-30)
-        self.max_rel = max(self.max_rel, float(np.abs(got - out).max()) / scale)
-        self.runs += 1
-        out[...] = got  # the scenario checks the device's output against the reference
+        if got_out is not None:
+            out = self._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
+            scale = max(float(np.abs(out).max()), 1e-30)
+            self.max_rel = max(self.max_rel, float(np.abs(got_out - out).max()) / scale)
+            self.runs += 1
+            out[...] = got_out  # the scenario checks the device's output against the reference
 
 
 # the build's head configs (G 128, Gv 64): SmolLM2's head shape, Gemma 3's (D 256, one KV head), kivi2 (no pools),
@@ -148,13 +154,100 @@ VK_CASES = [CASES[i] for i in (0, 2, 4, 7, 9, 12)] + [
 
 @pytest.mark.parametrize("case", VK_CASES, ids=case_id)
 def test_vulkan_ops_match_reference(emu: OpsLib, vk: VkWorker, case: tuple) -> None:
+    """The layer's three ops in one graph per ubatch, as a model runs them: the decode steps' merge and seal in one
+    dispatch, the prefill ubatches' as two (ggml-vulkan-ott.cpp: 64 workgroups at most on a device that does not
+    say its core count); the longest ubatches' seal alone (VK_ATTN_MAX_TOKENS)."""
     lib = VulkanOps(emu, vk)
-    run_scenario(lib, case)  # type: ignore[arg-type]
+    run_scenario(lib, case, fused=True)  # type: ignore[arg-type]
     print(f"{vk.device}: {lib.runs} ubatches, {lib.seals} seals bit for bit, "
           f"max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")  # fmt: skip
     assert lib.seals == len(SCHEDULE) and lib.runs == sum(n <= VK_ATTN_MAX_TOKENS for n in SCHEDULE) > 10
     # the same fp32 operations in the same order; only exp differs (Vulkan allows a few ulps)
     assert lib.max_rel <= 1e-5
+
+
+def _worker(**env: str) -> VkWorker:
+    return VkWorker(built_lib("ott_vk_test"), dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", **env))
+
+
+@pytest.fixture(scope="module")
+def vk_fused() -> Iterator[VkWorker]:
+    """A worker whose merges run their layer's seal at any size (GGML_VK_OTT_FUSED_BLOCKS)."""
+    w = _worker(GGML_VK_OTT_FUSED_BLOCKS=str(1 << 30))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+# prefill ubatches that seal fused: the 100- and 40-token ones seal a group each (the decode steps of SCHEDULE seal
+# none); the 150- and 200-token ones seal alone on the device (VK_ATTN_MAX_TOKENS)
+@pytest.mark.parametrize("case", [CASES[0], CASES[12]], ids=case_id)
+def test_vulkan_merge_and_seal_in_one_dispatch_match_reference(emu: OpsLib, vk_fused: VkWorker, case: tuple) -> None:
+    lib = VulkanOps(emu, vk_fused)
+    run_scenario(lib, case, fused=True)  # type: ignore[arg-type]
+    print(f"{vk_fused.device}, every merge with its seal: {lib.runs} ubatches, {lib.seals} seals bit for bit, "
+          f"max |vulkan - emulation| / max |out| = {lib.max_rel:.2e}")  # fmt: skip
+    assert lib.seals == len(SCHEDULE) and lib.runs == sum(n <= VK_ATTN_MAX_TOKENS for n in SCHEDULE)
+    assert lib.max_rel <= 1e-5
+
+
+def _merge_seals(emu: OpsLib, w: VkWorker, n_tok: int) -> bool:
+    """Whether the merge's dispatch on `w` seals: a layer (D 64, one KV head of 3 query heads, one stream) filled
+    through the emulation up to the ubatch of n_tok tokens that seals its first group, then that ubatch's partials
+    and merge, given the layer's flags, on the device with no seal node after them. The state afterwards is the
+    emulation's sealed one (the merge ran the seal: then its output is checked too) or the one before."""
+    head = (2, 2, 128, 64)
+    cfg = head_config(head, 3, 32, False)
+    st = LayerState(cfg, 3, 64, 1, 3, n_stream=1, n_ctx=512)
+    rng = np.random.default_rng(5)
+    n0 = cfg.R + cfg.G - n_tok  # the ubatch reaches the point where the first group seals
+    k_all, v_all = scenario_kv(rng, 1, n0 + n_tok, 1, 64)  # [stream, token, KV head, D]
+    q = (rng.standard_normal((1, n0 + n_tok, 3, 64)) * 0.5).astype(np.float32)
+    st.step(emu, head_tag(*head), [0], q[:, :n0], k_all[:, :n0], v_all[:, :n0], NS=1)
+    assert st.n_sealed == [0] and st.sealed_after(n0 + n_tok) == 1
+    probe = VulkanOps(emu, w)
+    seen: dict[str, Any] = {}
+
+    def run(tag: str, op: str, a: Any) -> None:
+        assert op == "attn_seal"
+        h = probe._head(tag, a)
+        views = probe._views(a, h, ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
+        inputs = {k: x.copy() for k, x in views.items()}
+        emu.run(tag, op, a)
+        out_shape = (a.ns, a.n_tok, a.n_head, a.D)
+        part_shape = (a.ns * (a.NS + 1), a.H, 3 * a.n_tok, a.D + 2)
+        _, out, state = w.attn_seal({k: getattr(a, k) for k in SCALARS}, h, inputs, part_shape, out_shape, True)
+        sealed = {k: views[k] for k in state}
+        assert any((sealed[k] != inputs[k]).any() for k in ("sk", "sv")), "the ubatch seals nothing: no probe"
+        seen["fused"] = all((state[k] == sealed[k]).all() for k in state)
+        if not seen["fused"]:
+            assert all((state[k] == inputs[k]).all() for k in state), "the merge wrote part of the state"
+        want = probe._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
+        assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+
+    probe.run = run  # type: ignore[method-assign]
+    st.step(probe, head_tag(*head), [0], q[:, n0:], k_all[:, n0:], v_all[:, n0:], NS=1, fused=True)  # type: ignore[arg-type]
+    return bool(seen["fused"])
+
+
+def test_the_merge_runs_the_seal_where_its_dispatch_is_small(emu: OpsLib, vk: VkWorker) -> None:
+    """ggml-vulkan-ott.cpp's rule: the merge runs its layer's seal in its own dispatch when both together are at most
+    twice the device's cores in workgroups, 64 where the device does not say (lavapipe): a decoded token (3 + 1
+    workgroups here) fuses, a 30-token ubatch (90 + 1) does not; GGML_VK_OTT_FUSED_BLOCKS=0 never fuses (the A/B
+    on a GPU), a large value always."""
+    assert _merge_seals(emu, vk, 1)
+    assert not _merge_seals(emu, vk, 30)
+    w = _worker(GGML_VK_OTT_FUSED_BLOCKS="0")
+    try:
+        assert not _merge_seals(emu, w, 1)
+    finally:
+        w.close()
+    w = _worker(GGML_VK_OTT_FUSED_BLOCKS="100")
+    try:
+        assert _merge_seals(emu, w, 30)
+    finally:
+        w.close()
 
 
 def test_vulkan_seal_flags_nonfinite_values_of_one_stream(emu: OpsLib, vk: VkWorker) -> None:

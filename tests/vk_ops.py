@@ -4,7 +4,8 @@
 ggml-vulkan picks its devices once per process, and it hides CPU devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
 names them; the test process has usually initialized ggml already. So the library runs in a worker process of its
 own (`python vk_ops.py LIB`), started with that variable, fed jobs over a pipe: `VkWorker.attn` sends one ubatch's
-attention inputs and returns what the device computed, `VkWorker.seal` sends the state and returns it sealed.
+attention inputs and returns what the device computed, `VkWorker.seal` sends the state and returns it sealed,
+`VkWorker.attn_seal` both in one graph, as a model's layer runs them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ int ott_vktest_attn(const ott_cu_args * a, int device, int32_t kbits, int32_t vb
                     int32_t Gv, int64_t kgb, int64_t vgb);
 int ott_vktest_seal(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
                     int32_t Gv, int64_t kgb, int64_t vgb);
+int ott_vktest_attn_seal(const ott_cu_args * a, int device, int32_t kbits, int32_t vbits, int32_t flags, int32_t G,
+                         int32_t Gv, int64_t kgb, int64_t vgb, int flags_only);
 """
 STATE = ("ring", "sk", "sv", "pkv", "pmeta", "flags")  # what the seal writes
 
@@ -72,6 +75,17 @@ class VkWorker:
             raise RuntimeError(f"ott_vktest_seal returned {rc} (-1 no device, -2 refused, -3 compute failed)")
         return state
 
+    def attn_seal(self, scalars: dict[str, float], head: dict[str, int], inputs: dict[str, np.ndarray],
+                  part_shape: tuple, out_shape: tuple, flags_only: bool = False,
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:  # fmt: skip
+        """The layer's partials, merge (given the layer's flags) and seal in one graph, as a model runs them:
+        (part, out, the state arrays as the device left them). flags_only: no seal node after the merge (the state
+        then shows whether the merge's dispatch sealed)."""
+        rc, part, out, state = self._job(("attn_seal", scalars, head, inputs, (part_shape, out_shape, flags_only)))
+        if rc != 0:
+            raise RuntimeError(f"ott_vktest_attn_seal returned {rc} (-1 no device, -2 refused, -3 compute failed)")
+        return part, out, state
+
     def _job(self, job: tuple) -> Any:
         assert self.proc.stdin and self.proc.stdout
         _send(self.proc.stdin, job)
@@ -112,11 +126,15 @@ def _serve(lib_path: str) -> None:
             rc = lib.ott_vktest_seal(a, 0, *hargs)
             _send(out, (rc, {k: inputs[k] for k in STATE}))
             continue
-        part_shape, out_shape = shapes
+        part_shape, out_shape, *more = shapes
         part = np.full(part_shape, np.nan, np.float32)
         res = np.full(out_shape, np.nan, np.float32)
         a.part = ffi.cast("float *", ffi.from_buffer(part))
         a.out = ffi.cast("float *", ffi.from_buffer(res))
+        if kind == "attn_seal":
+            rc = lib.ott_vktest_attn_seal(a, 0, *hargs, int(more[0]))
+            _send(out, (rc, part, res, {k: inputs[k] for k in STATE}))
+            continue
         rc = lib.ott_vktest_attn(a, 0, *hargs)
         _send(out, (rc, part, res))
 

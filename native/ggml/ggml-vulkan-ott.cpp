@@ -28,6 +28,7 @@ struct ott_vk_features {
     bool float64;
     uint32_t max_subgroups;
     uint32_t tc; // ggml_vk_ott_tc
+    int64_t fuse_blocks; // the merge runs its layer's seal in its dispatch up to this many workgroups (ott_vk_merge_seals)
 };
 
 static ott_vk_features ott_vk_device_features(const vk_device & device) {
@@ -58,6 +59,15 @@ static ott_vk_features ott_vk_device_features(const vk_device & device) {
             const int tc = atoi(e);
             GGML_ASSERT((tc == 1 || tc == 8) && "GGML_VK_OTT_TC must be 1 or 8");
             r.tc = (uint32_t) tc;
+        }
+        // as CUDA's OTT_CU_FUSED_BLOCKS_PER_SM: the fused shader's workgroups hold the seal's registers and both
+        // kernels' shared memory, so a merge of many workgroups (a prefill ubatch's) stays a dispatch of its own;
+        // 64 where the device does not say how many cores it has (lavapipe, most mobile GPUs).
+        // GGML_VK_OTT_FUSED_BLOCKS sets the bound: 0 never fuses (the A/B on a GPU), a large one always (the tests)
+        r.fuse_blocks = device->shader_core_count != 0 ? 2*(int64_t) device->shader_core_count : 64;
+        if (const char * fb = getenv("GGML_VK_OTT_FUSED_BLOCKS")) {
+            r.fuse_blocks = atoll(fb);
+            GGML_ASSERT(r.fuse_blocks >= 0 && "GGML_VK_OTT_FUSED_BLOCKS must be a count of workgroups");
         }
         it = known.emplace(device.get(), r).first;
     }
@@ -189,20 +199,67 @@ void ggml_vk_ott_attn_part(ggml_backend_vk_context * ctx, vk_context & subctx, g
         ott_vk_grid(ctx->device, ns*p.H*(p.NS + p.n_head/p.H)*((n_tok + tc - 1)/tc))); // units as the shader's
 }
 
+// a tensor in a buffer of this context's device
+static bool ott_vk_on_device(const ggml_backend_vk_context * ctx, const ggml_tensor * t) {
+    return t->buffer && ggml_backend_buffer_is_vk(t->buffer) &&
+           ((const ggml_backend_vk_buffer_context *) t->buffer->context)->dev_buffer->device == ctx->device;
+}
+
+// The layer's merge and seal in one dispatch (the attn_merge_seal shader, as CUDA's ott_cu_merge_seals): the seal
+// then costs no dispatch and no barriers of its own on the decode steps, which seal nothing on 127 of 128. The merge
+// does it when the graph gave it the layer's flags (src[1]: its OTT_SEAL follows on the same tensors; see
+// llama_ott_build_attn), the state and the flags live on this device, and the dispatch is small (fuse_blocks). The
+// OTT_SEAL node asks the same question and records nothing when the answer is yes.
+static bool ott_vk_merge_seals(const ggml_backend_vk_context * ctx, const ggml_tensor * merge) {
+    const ggml_tensor * part = merge->src[0];
+    const ggml_tensor * flags = merge->src[1];
+    if (!flags || part->op != GGML_OP_OTT_ATTN_PART || !ott_vk_on_device(ctx, flags) ||
+        !ott_vk_on_device(ctx, part->src[3]) || ott_vk_shader(*ggml_ott_get_params(part), "attn_merge_seal") < 0) {
+        return false;
+    }
+    const ggml_ott_params & p = *ggml_ott_get_params(part);
+    const int64_t ns = part->src[8]->ne[1], n_tok = part->src[1]->ne[2]/ns;
+    return ns*n_tok*p.n_head + ns*p.H <= ott_vk_device_features(ctx->device).fuse_blocks;
+}
+
+// a barrier after an op that wrote the cache's state in place (which ggml-vulkan does not see: the state is among
+// its sources), before anything reads it; it orders every earlier write, so ggml-vulkan's own tracking starts over
+static void ott_vk_sync_all(ggml_backend_vk_context * ctx, vk_context & subctx) {
+    ggml_vk_sync_buffers(ctx, subctx);
+    ctx->unsynced_nodes_written.clear();
+    ctx->unsynced_nodes_read.clear();
+}
+
 void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
     const ggml_tensor * part = dst->src[0];
     const ggml_ott_params & p = *ggml_ott_get_params(dst);
     // shapes from part F32 [D + 2, gq*n_tok, H, ns*(NS + 1)] and dst F32 [D, n_head, ns*n_tok]
     const int64_t ns = part->ne[3]/(p.NS + 1), n_tok = dst->ne[2]/ns;
     GGML_ASSERT(part->ne[0] == p.D + 2 && part->ne[1] == (int64_t) (p.n_head/p.H)*n_tok && part->ne[2] == p.H);
-    const int i = ott_vk_shader(p, "attn_merge");
-    GGML_ASSERT(i >= 0);
+    const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
+    if (!ott_vk_merge_seals(ctx, dst)) {
+        const int i = ott_vk_shader(p, "attn_merge");
+        GGML_ASSERT(i >= 0);
+        vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
+        ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
+        ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
+            { ggml_vk_tensor_subbuffer(ctx, part), ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
+            ott_vk_grid(ctx->device, ns*n_tok*p.n_head));
+        return;
+    }
+    // the seal's part writes the state the partials read: ggml-vulkan put a barrier after them, since this op
+    // reads their output
+    const int i = ott_vk_shader(*ggml_ott_get_params(part), "attn_merge_seal");
     vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
-    const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
+    const ggml_tensor * const * s = part->src;
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
-        { ggml_vk_tensor_subbuffer(ctx, part), ggml_vk_tensor_subbuffer(ctx, dst) }, pc,
-        ott_vk_grid(ctx->device, ns*n_tok*p.n_head));
+        { ggml_vk_tensor_subbuffer(ctx, part), ggml_vk_tensor_subbuffer(ctx, dst),
+          ggml_vk_tensor_subbuffer(ctx, s[1]), ggml_vk_tensor_subbuffer(ctx, s[2]), ggml_vk_tensor_subbuffer(ctx, s[3]),
+          ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]), ggml_vk_tensor_subbuffer(ctx, s[6]),
+          ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]), ggml_vk_tensor_subbuffer(ctx, dst->src[1]) },
+        pc, ott_vk_grid(ctx->device, ns*n_tok*p.n_head + ns*p.H));
+    ott_vk_sync_all(ctx, subctx); // one barrier for the state and for the output's readers
 }
 
 void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
@@ -210,17 +267,29 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     const int i = ott_vk_shader(p, "seal");
     GGML_ASSERT(i >= 0);
     const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
+    const ggml_tensor * merge = dst->src[0];
+    if (merge->op == GGML_OP_OTT_ATTN && merge->src[1] == dst->src[9] && ott_vk_merge_seals(ctx, merge)) {
+        // the merge ran this seal in its dispatch: the same tensors, or the graph broke the contract
+        for (int j = 1; j <= 8; ++j) {
+            GGML_ASSERT(merge->src[0]->src[j] == dst->src[j] && "ott: a merge's seal on other tensors");
+        }
+        return;
+    }
     vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
     const ggml_tensor * const * s = dst->src;
     // ggml-vulkan orders ops by what they write as dst; the seal writes its sources (the state) in place: a
-    // barrier before, after every read of the old state, and one after, before any later read of the new
-    ggml_vk_sync_buffers(ctx, subctx);
+    // barrier before, after every read of the old state (ggml-vulkan has just put one there when the one node it
+    // has not ordered is this one: its source, the merge's output, was the last write), and one after, before any
+    // later read of the new
+    if (!(ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst)) {
+        ggml_vk_sync_buffers(ctx, subctx);
+    }
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
         { ggml_vk_tensor_subbuffer(ctx, s[1]), ggml_vk_tensor_subbuffer(ctx, s[2]), ggml_vk_tensor_subbuffer(ctx, s[3]),
           ggml_vk_tensor_subbuffer(ctx, s[4]), ggml_vk_tensor_subbuffer(ctx, s[5]), ggml_vk_tensor_subbuffer(ctx, s[6]),
           ggml_vk_tensor_subbuffer(ctx, s[7]), ggml_vk_tensor_subbuffer(ctx, s[8]), ggml_vk_tensor_subbuffer(ctx, s[9]) },
         pc, ott_vk_grid(ctx->device, ns*p.H)); // a workgroup per (ubatch stream, KV head)
-    ggml_vk_sync_buffers(ctx, subctx);
+    ott_vk_sync_all(ctx, subctx);
 }
