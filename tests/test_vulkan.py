@@ -278,3 +278,65 @@ def test_keys_by_age_refuse_a_cache_on_vulkan0_by_name(smollm2: Path, vk_env: di
     out = r.stdout.strip().splitlines()[-1]
     assert out.startswith("refused:") and "layer 0 keeps its cache on Vulkan0" in out, out
     assert "k_young=4" in out and "-nkvo" in out, out
+
+
+# What a decoded token records on Vulkan0, counted by a Vulkan layer (tests/vk_count_layer.c) between two
+# single-token llama_decode calls: compute dispatches and pipeline barriers. -ngl 4 (lavapipe is slow): the last 3
+# blocks and the output layer; the difference between two ott2 runs is the ott ops' (the rest is the same graph).
+COUNT_SCRIPT = """
+import ctypes, json, sys
+from ott_gguf import Llama
+llm = Llama(sys.argv[1], kv_type=sys.argv[2], n_gpu_layers=int(sys.argv[4]), n_ctx=256, verbose=False)
+layer = ctypes.CDLL(sys.argv[3])  # the loader's copy: the same library
+def counts():
+    d, b = ctypes.c_int64(), ctypes.c_int64()
+    layer.ott_vkcount_get(ctypes.byref(d), ctypes.byref(b))
+    return [d.value, b.value]
+toks = llm.tokenize(b"The capital of France is")
+llm.eval(toks)
+seen = [counts()]
+for t in toks[1:3]:
+    llm.eval([t])
+    seen.append(counts())
+print(json.dumps(seen))
+"""
+VK_NGL, VK_BLOCKS = 4, 3
+LAYER_JSON = """{"file_format_version": "1.1.2", "layer": {"name": "VK_LAYER_OTT_count", "type": "GLOBAL",
+ "library_path": "%s", "api_version": "1.3.0", "implementation_version": "1",
+ "description": "ott-gguf tests: counts dispatches and barriers",
+ "functions": {"vkGetInstanceProcAddr": "ott_vkcount_GetInstanceProcAddr",
+               "vkGetDeviceProcAddr": "ott_vkcount_GetDeviceProcAddr"}}}"""
+
+
+@needs_vulkan
+def test_a_decoded_token_runs_each_layers_merge_and_seal_in_one_dispatch(
+    smollm2: Path, vk_env: dict[str, str], tmp_path: Path
+) -> None:
+    """ggml-vulkan-ott.cpp runs a decoded token's merge and seal in one dispatch with one barrier after it; with the
+    fusion off (GGML_VK_OTT_FUSED_BLOCKS=0) they take one more dispatch and one more barrier per block (the seal's
+    barrier before it is ggml-vulkan's own, which it had just put there). Counted, not timed. Measured on lavapipe
+    (2026-12-02), per decoded token: f16 51 dispatches and 37 barriers, ott2 48 and 40, ott2 unfused 51 and 43
+    (at 15a7d10, before the fusion and the seal's barrier rules: 51 and 49); ott2's extra barrier per block against
+    f16 is ggml-vulkan's between the two ropes (their buffers overlap; f16's cache write fuses K's rope)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc
+    so = tmp_path / "libvk_count_layer.so"
+    src = Path(__file__).with_name("vk_count_layer.c")
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-fvisibility=hidden", str(src), "-o", str(so)], check=True)
+    (tmp_path / "vk_count_layer.json").write_text(LAYER_JSON % so)
+    per_token = {}
+    for name, kv, extra in (("f16", "f16", {}), ("ott2", "ott2", {}),
+                            ("ott2 unfused", "ott2", {"GGML_VK_OTT_FUSED_BLOCKS": "0"})):  # fmt: skip
+        env = dict(vk_env, VK_LAYER_PATH=str(tmp_path), VK_INSTANCE_LAYERS="VK_LAYER_OTT_count", **extra)
+        r = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, str(smollm2), kv, str(so), str(VK_NGL)],
+                           capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(seen, seen[1:], strict=False)]
+        assert steps[0] == steps[1] and steps[0][0] > 0, (name, seen)  # every decoded token records the same
+        per_token[name] = steps[0]
+    print(f"dispatches, barriers per decoded token, -ngl {VK_NGL} on Vulkan0: {per_token}")
+    fused, unfused, f16 = per_token["ott2"], per_token["ott2 unfused"], per_token["f16"]
+    assert (unfused[0] - fused[0], unfused[1] - fused[1]) == (VK_BLOCKS, VK_BLOCKS), per_token
+    # no more dispatches than f16's attention, at most ggml-vulkan's one barrier more per block
+    assert fused[0] <= f16[0] and fused[1] <= f16[1] + VK_BLOCKS, per_token

@@ -4,7 +4,9 @@
 #include "ggml-vulkan-ott.h"
 #include "ggml-ott-args.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <iostream>
 #include <map>
 #include <mutex>
 
@@ -225,6 +227,9 @@ static bool ott_vk_merge_seals(const ggml_backend_vk_context * ctx, const ggml_t
 // a barrier after an op that wrote the cache's state in place (which ggml-vulkan does not see: the state is among
 // its sources), before anything reads it; it orders every earlier write, so ggml-vulkan's own tracking starts over
 static void ott_vk_sync_all(ggml_backend_vk_context * ctx, vk_context & subctx) {
+    if (vk_enable_sync_logger) { // GGML_VK_SYNC_LOGGER lists ggml-vulkan's own barriers as "sync"
+        std::cerr << "sync (ott: after a write of the cache's state)" << std::endl;
+    }
     ggml_vk_sync_buffers(ctx, subctx);
     ctx->unsynced_nodes_written.clear();
     ctx->unsynced_nodes_read.clear();
@@ -273,6 +278,17 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
         for (int j = 1; j <= 8; ++j) {
             GGML_ASSERT(merge->src[0]->src[j] == dst->src[j] && "ott: a merge's seal on other tensors");
         }
+        // ggml-vulkan has just listed this node's sources as unordered reads, which would put a barrier before the
+        // next node that reuses their memory (the projection's output, on k's or v's); the merge read them before
+        // its barrier, so when nothing else has been listed since, the lists drop them again
+        bool only_this = ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst;
+        for (const ggml_tensor * t : ctx->unsynced_nodes_read) {
+            only_this = only_this && std::find(dst->src, dst->src + GGML_MAX_SRC, t) != dst->src + GGML_MAX_SRC;
+        }
+        if (only_this) {
+            ctx->unsynced_nodes_written.clear();
+            ctx->unsynced_nodes_read.clear();
+        }
         return;
     }
     vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
@@ -284,6 +300,9 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     // has not ordered is this one: its source, the merge's output, was the last write), and one after, before any
     // later read of the new
     if (!(ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst)) {
+        if (vk_enable_sync_logger) {
+            std::cerr << "sync (ott: before the seal)" << std::endl;
+        }
         ggml_vk_sync_buffers(ctx, subctx);
     }
     ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
