@@ -72,16 +72,17 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return p
 
 
+def vulkan0(env: dict[str, str]) -> str | None:
+    """Vulkan0's description in this environment (llama.cpp's device list), None if there is none."""
+    r = run("llama-cli", "--list-devices", env=env, timeout=60)
+    m = re.search(r"^\s*Vulkan0: (.+)$", r.stdout + r.stderr, re.M)
+    return m.group(1) if m else None
+
+
 @pytest.fixture(scope="module")
 def vk_env() -> dict[str, str]:
     """The environment that makes a Vulkan device Vulkan0: ggml-vulkan hides CPU-type devices (lavapipe's llvmpipe)
     unless GGML_VK_VISIBLE_DEVICES names them, so without a GPU the tests name device 0. No device is a failure."""
-
-    def vulkan0(env: dict[str, str]) -> str | None:
-        r = run("llama-cli", "--list-devices", env=env, timeout=60)
-        m = re.search(r"^\s*Vulkan0: (.+)$", r.stdout + r.stderr, re.M)
-        return m.group(1) if m else None
-
     env = dict(os.environ)
     if vulkan0(env) is None and "GGML_VK_VISIBLE_DEVICES" not in env:
         env["GGML_VK_VISIBLE_DEVICES"] = "0"
@@ -327,7 +328,8 @@ def test_a_decoded_token_runs_each_layers_merge_and_seal_in_one_dispatch(
     per_token = {}
     for name, kv, extra in (("f16", "f16", {}), ("ott2", "ott2", {}),
                             ("ott2 unfused", "ott2", {"GGML_VK_OTT_FUSED_BLOCKS": "0"})):  # fmt: skip
-        env = dict(vk_env, VK_LAYER_PATH=str(tmp_path), VK_INSTANCE_LAYERS="VK_LAYER_OTT_count", **extra)
+        env = {k: x for k, x in vk_env.items() if k != "GGML_VK_OTT_FUSED_BLOCKS"}  # the device's own bound
+        env.update(VK_LAYER_PATH=str(tmp_path), VK_INSTANCE_LAYERS="VK_LAYER_OTT_count", **extra)
         r = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, str(smollm2), kv, str(so), str(VK_NGL)],
                            capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -336,7 +338,9 @@ def test_a_decoded_token_runs_each_layers_merge_and_seal_in_one_dispatch(
         assert steps[0] == steps[1] and steps[0][0] > 0, (name, seen)  # every decoded token records the same
         per_token[name] = steps[0]
     print(f"dispatches, barriers per decoded token, -ngl {VK_NGL} on Vulkan0: {per_token}")
-    fused, unfused, f16 = per_token["ott2"], per_token["ott2 unfused"], per_token["f16"]
+    fused, unfused = per_token["ott2"], per_token["ott2 unfused"]
     assert (unfused[0] - fused[0], unfused[1] - fused[1]) == (VK_BLOCKS, VK_BLOCKS), per_token
-    # no more dispatches than f16's attention, at most ggml-vulkan's one barrier more per block
-    assert fused[0] <= f16[0] and fused[1] <= f16[1] + VK_BLOCKS, per_token
+    if "llvmpipe" in (vulkan0(vk_env) or ""):
+        # on lavapipe, as measured: ott2 records no more dispatches than f16 and one barrier more per block (a GPU's
+        # ggml-vulkan may run f16's attention with other kernels)
+        assert fused[0] <= per_token["f16"][0] and fused[1] <= per_token["f16"][1] + VK_BLOCKS, per_token

@@ -54,6 +54,7 @@ def emu(tmp_path_factory: pytest.TempPathFactory) -> OpsLib:
 def vk() -> Iterator[VkWorker]:
     env = dict(os.environ)
     env.setdefault("GGML_VK_VISIBLE_DEVICES", "0")  # lavapipe is a CPU device: ggml-vulkan lists it only if named
+    env.pop("GGML_VK_OTT_FUSED_BLOCKS", None)  # the device's own bound
     w = VkWorker(built_lib("ott_vk_test"), env)
     try:
         assert w.device, "the build has the Vulkan backend but no Vulkan device (lavapipe: mesa-vulkan-drivers)"
@@ -233,21 +234,16 @@ def _merge_seals(emu: OpsLib, w: VkWorker, n_tok: int) -> bool:
 
 def test_the_merge_runs_the_seal_where_its_dispatch_is_small(emu: OpsLib, vk: VkWorker) -> None:
     """ggml-vulkan-ott.cpp's rule: the merge runs its layer's seal in its own dispatch when both together are at most
-    twice the device's cores in workgroups, 64 where the device does not say (lavapipe): a decoded token (3 + 1
-    workgroups here) fuses, a 30-token ubatch (90 + 1) does not; GGML_VK_OTT_FUSED_BLOCKS=0 never fuses (the A/B
-    on a GPU), a large value always."""
+    a bound of workgroups (twice the device's cores, 64 where the device does not say, as lavapipe): a decoded token
+    (3 + 1 workgroups here) fuses on any device; a 30-token ubatch (90 + 1) fuses at a bound of 91, not at 90;
+    GGML_VK_OTT_FUSED_BLOCKS=0 never fuses (the A/B on a GPU)."""
     assert _merge_seals(emu, vk, 1)
-    assert not _merge_seals(emu, vk, 30)
-    w = _worker(GGML_VK_OTT_FUSED_BLOCKS="0")
-    try:
-        assert not _merge_seals(emu, w, 1)
-    finally:
-        w.close()
-    w = _worker(GGML_VK_OTT_FUSED_BLOCKS="100")
-    try:
-        assert _merge_seals(emu, w, 30)
-    finally:
-        w.close()
+    for bound, n_tok, fused in (("0", 1, False), ("90", 30, False), ("91", 30, True)):
+        w = _worker(GGML_VK_OTT_FUSED_BLOCKS=bound)
+        try:
+            assert _merge_seals(emu, w, n_tok) == fused, (bound, n_tok)
+        finally:
+            w.close()
 
 
 def test_vulkan_seal_flags_nonfinite_values_of_one_stream(emu: OpsLib, vk: VkWorker) -> None:

@@ -1,6 +1,7 @@
 // A Vulkan layer for the tests: counts the compute dispatches and pipeline barriers that command buffers record
 // (vkCmdDispatch, vkCmdPipelineBarrier, vkCmdPipelineBarrier2), so that a test can read how many a decoded
-// token costs (tests/test_vulkan.py). Everything else passes through. One instance and device at a time.
+// token costs (tests/test_vulkan.py). Everything else passes through. One instance and device at a time (the
+// functions of the device created last: the test's processes see one Vulkan device).
 // The counts are read with ott_vkcount_get() from the same library, which the loader has opened.
 #include <stdatomic.h>
 #include <stdint.h>
@@ -117,5 +118,5 @@ EXPORT VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL ott_vkcount_GetInstanceProcAddr(
         return (PFN_vkVoidFunction) ott_vkcount_GetDeviceProcAddr;
     }
     PFN_vkVoidFunction f = next_gdpa ? layer_device_fn(name) : NULL;
-    return f ? f : next_gipa(inst, name);
+    return f ? f : next_gipa ? next_gipa(inst, name) : NULL;
 }

@@ -273,10 +273,11 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     GGML_ASSERT(i >= 0);
     const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
     const ggml_tensor * merge = dst->src[0];
-    if (merge->op == GGML_OP_OTT_ATTN && merge->src[1] == dst->src[9] && ott_vk_merge_seals(ctx, merge)) {
+    if (merge->op == GGML_OP_OTT_ATTN && ott_vk_merge_seals(ctx, merge)) {
         // the merge ran this seal in its dispatch: the same tensors, or the graph broke the contract
+        GGML_ASSERT(merge->src[1]->data == dst->src[9]->data && "ott: a merge's seal on other tensors");
         for (int j = 1; j <= 8; ++j) {
-            GGML_ASSERT(merge->src[0]->src[j] == dst->src[j] && "ott: a merge's seal on other tensors");
+            GGML_ASSERT(merge->src[0]->src[j]->data == dst->src[j]->data && "ott: a merge's seal on other tensors");
         }
         // ggml-vulkan has just listed this node's sources as unordered reads, which would put a barrier before the
         // next node that reuses their memory (the projection's output, on k's or v's); the merge read them before
