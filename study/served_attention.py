@@ -32,7 +32,7 @@ from ott_gguf import corpus, models
 from ott_gguf._lib import llama_cpp_module
 from ott_gguf.evaluate import kl_divergence
 from ott_gguf.kv_types import OttConfig
-from ott_gguf.reference import group_mean, l1_scores, quantize_values
+from ott_gguf.reference import group_mean, hadamard_rotate, l1_scores, quantize_values
 
 from .capture import GgmlTensor, _attn_scale, _ggml, _meta_str, _swa_layers, _tokenize
 from .k_widths import _quantize_keys_with
@@ -58,6 +58,7 @@ class Scheme:
     v_h2o_bits: int = 16  # ...exact values (16) or values at this width
     v_h2o_mean: bool = False  # rank by the mean attention per query that saw the token (ZipCache) instead of the sum
     v_age: int = 0  # the newest v_age sealed groups' values at v_bits + 1 (v_young)
+    v_rd: int = 0  # an ideal value code instead of v_bits' quantizer: rd_values at v_rd bits per value
     v_h2o_random: bool = False  # the control: v_h2o tokens per group drawn at random (seeded by the group)
     # salient keys (causal, chosen at the seal as v_h2o's tokens are): per sealed group and KV head, k_h2o tokens'
     # keys served exact (16) or token-wise at k_h2o_bits, their slots in the group's channel-wise quantization
@@ -102,6 +103,7 @@ SCHEMES |= {
     "q32+rnd32@4": Scheme(**_Q, v_h2o=32, v_h2o_bits=4, v_h2o_random=True),
     "q32+h2o2m": Scheme(**_Q, v_h2o=2, v_h2o_mean=True),
     "q32+h2o8m@4": Scheme(**_Q, v_h2o=8, v_h2o_bits=4, v_h2o_mean=True),
+    "q32+rd2": Scheme(**_Q, v_rd=2),  # the best any 2-bit value code could do (rd_values)
 }
 _K8 = {**_Q, "k_h2o": 8, "v_h2o_mean": True, "v_h2o_bits": 2}
 SCHEMES |= {
@@ -126,6 +128,23 @@ SCHEMES |= {
     "q22+ga4": Scheme(R=64, narrowed=False, values=True, kg_attn=4),
     "q22+ga8": Scheme(R=64, narrowed=False, values=True, kg_attn=8),
 }
+
+
+def rd_values(v: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
+    """Values (G, D) as an ideal code at `bits` per value would serve them: each token's Hadamard-rotated 64-channel
+    block, its mean removed (side information, as a stored min), through the Gaussian test channel of the
+    rate-distortion bound, x -> a x + sqrt(a d) n with d = var 2^(-2 bits), a = 1 - 2^(-2 bits), n ~ N(0, 1): mean
+    squared error d, the least any code of that rate can reach on a Gaussian source of that variance (a uniform
+    quantizer's is about 1.9x it at 2 bits). Then rotated back. Not a quantizer: the bound for any value code of
+    that many bits per value with a mean and a scale per block."""
+    x = hadamard_rotate(v)
+    G, D = x.shape
+    b = x.reshape(G, D // 64, 64).astype(np.float64)
+    mu = b.mean(axis=2, keepdims=True)
+    var = ((b - mu) ** 2).mean(axis=2, keepdims=True)
+    a = 1.0 - 2.0 ** (-2 * bits)
+    y = mu + a * (b - mu) + np.sqrt(a * var * 2.0 ** (-2 * bits)) * rng.standard_normal(b.shape)
+    return hadamard_rotate(y.reshape(G, D).astype(np.float32))
 
 
 def _contiguous(tt: GgmlTensor) -> bool:
@@ -183,10 +202,12 @@ class ServedAttention:
         self.c2 = OttConfig(k_bits=2, outlier_num=0)
         self.c3 = OttConfig(k_bits=3, outlier_num=0)
         self.cv = {b: OttConfig(bits=b) for b in (2, 3, 4)}
+        self.rng = np.random.default_rng(0)
 
     def reset(self, scheme: Scheme | None) -> None:
         """scheme None: llama.cpp's own attention, untouched (the harness's check)."""
         self.scheme, self.layers, self.error = scheme, {}, None
+        self.rng = np.random.default_rng(0)  # rd_values' noise: the same draws in every run of a scheme
 
     def __call__(self, t: int, ask: bool, _user_data: Any) -> bool:
         try:
@@ -245,7 +266,9 @@ class ServedAttention:
                 if not sc.k_h2o:
                     src = lay.k3[g0:g1, h].astype(np.float16) if sc.narrowed else k16
                     lay.k2[g0:g1, h] = _quantize_keys_with(src, self.c2, None)
-                if sc.values:
+                if sc.values and sc.v_rd:
+                    lay.vq[g0:g1, h] = rd_values(lay.v[g0:g1, h], sc.v_rd, self.rng)
+                elif sc.values:
                     lay.vq[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits])[3]
                     if sc.v_age:
                         lay.vy[g0:g1, h] = quantize_values(lay.v[g0:g1, h], self.cv[sc.v_bits + 1])[3]

@@ -46,3 +46,17 @@ def test_salient_values_are_chosen_from_the_attention_before_the_seal() -> None:
         assert set(np.flatnonzero(lay.chosen[:, 0])) == want, (mean, np.flatnonzero(lay.chosen[:, 0]))
         assert lay.n_chosen == [1]  # group 1 seals at 319: not yet
         np.testing.assert_allclose(lay.recv[:256, 0], p.sum(0))
+
+
+def test_the_ideal_value_code_has_the_rate_distortion_error() -> None:
+    """rd_values (the q32+rd2 scheme): on Gaussian values its error is the bound's, var 2^(-2 bits), about half
+    the 2-bit quantizer's and twice the 3-bit one's."""
+    from ott_gguf.reference import OttConfig, quantize_values
+
+    rng = np.random.default_rng(1)
+    v = rng.standard_normal((512, 64)).astype(np.float32)
+    err = {b: float(((SA.rd_values(v, b, np.random.default_rng(b)) - v) ** 2).mean()) for b in (2, 3)}
+    for b in (2, 3):
+        assert abs(err[b] / 2.0 ** (-2 * b) - 1) < 0.05, err
+    q2, q3 = (float(((quantize_values(v, OttConfig(bits=b))[3] - v) ** 2).mean()) for b in (2, 3))
+    assert 1.7 < q2 / err[2] < 2.0 and 0.4 < q3 / err[2] < 0.6, (q2, q3, err)
