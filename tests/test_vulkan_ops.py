@@ -193,11 +193,37 @@ def test_vulkan_merge_and_seal_in_one_dispatch_match_reference(emu: OpsLib, vk_f
     assert lib.max_rel <= 1e-5
 
 
+class FlagsOnlyProbe(VulkanOps):
+    """Runs an "attn_seal" ubatch's partials and merge, given the layer's flags, on the device with no seal node
+    after them (and the whole op in the emulation): `fused` says whether the merge's dispatch sealed. The state
+    afterwards must be the emulation's sealed one (then the merge ran the seal) or the one before; the output is
+    checked either way."""
+
+    fused: bool | None = None
+
+    def run(self, tag: str, op: str, a: Any) -> None:
+        assert op == "attn_seal"
+        head = self._head(tag, a)
+        views = self._views(a, head, ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
+        inputs = {k: x.copy() for k, x in views.items()}
+        self.emu.run(tag, op, a)
+        out_shape = (a.ns, a.n_tok, a.n_head, a.D)
+        part_shape = (a.ns * (a.NS + 1), a.H, a.n_head // a.H * a.n_tok, a.D + 2)
+        scalars = {k: getattr(a, k) for k in SCALARS}
+        _, out, state = self.vk.attn_seal(scalars, head, inputs, part_shape, out_shape, flags_only=True)
+        sealed = {k: views[k] for k in state}
+        assert any((sealed[k] != inputs[k]).any() for k in ("sk", "sv")), "the ubatch seals nothing: no probe"
+        self.fused = all((state[k] == sealed[k]).all() for k in state)
+        if not self.fused:
+            assert all((state[k] == inputs[k]).all() for k in state), "the merge wrote part of the state"
+        want = self._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
+        assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def _merge_seals(emu: OpsLib, w: VkWorker, n_tok: int) -> bool:
-    """Whether the merge's dispatch on `w` seals: a layer (D 64, one KV head of 3 query heads, one stream) filled
-    through the emulation up to the ubatch of n_tok tokens that seals its first group, then that ubatch's partials
-    and merge, given the layer's flags, on the device with no seal node after them. The state afterwards is the
-    emulation's sealed one (the merge ran the seal: then its output is checked too) or the one before."""
+    """Whether the merge's dispatch on `w` seals (FlagsOnlyProbe): a layer (D 64, one KV head of 3 query heads, one
+    stream) filled through the emulation up to the ubatch of n_tok tokens that seals its first group, then that
+    ubatch."""
     head = (2, 2, 128, 64)
     cfg = head_config(head, 3, 32, False)
     st = LayerState(cfg, 3, 64, 1, 3, n_stream=1, n_ctx=512)
@@ -207,29 +233,10 @@ def _merge_seals(emu: OpsLib, w: VkWorker, n_tok: int) -> bool:
     q = (rng.standard_normal((1, n0 + n_tok, 3, 64)) * 0.5).astype(np.float32)
     st.step(emu, head_tag(*head), [0], q[:, :n0], k_all[:, :n0], v_all[:, :n0], NS=1)
     assert st.n_sealed == [0] and st.sealed_after(n0 + n_tok) == 1
-    probe = VulkanOps(emu, w)
-    seen: dict[str, Any] = {}
-
-    def run(tag: str, op: str, a: Any) -> None:
-        assert op == "attn_seal"
-        h = probe._head(tag, a)
-        views = probe._views(a, h, ("q", "k", "v", "ring", "sk", "sv", "pkv", "pmeta", "plan", "flags"))
-        inputs = {k: x.copy() for k, x in views.items()}
-        emu.run(tag, op, a)
-        out_shape = (a.ns, a.n_tok, a.n_head, a.D)
-        part_shape = (a.ns * (a.NS + 1), a.H, 3 * a.n_tok, a.D + 2)
-        _, out, state = w.attn_seal({k: getattr(a, k) for k in SCALARS}, h, inputs, part_shape, out_shape, True)
-        sealed = {k: views[k] for k in state}
-        assert any((sealed[k] != inputs[k]).any() for k in ("sk", "sv")), "the ubatch seals nothing: no probe"
-        seen["fused"] = all((state[k] == sealed[k]).all() for k in state)
-        if not seen["fused"]:
-            assert all((state[k] == inputs[k]).all() for k in state), "the merge wrote part of the state"
-        want = probe._array(a.out, np.float32, a.ns * a.n_tok * a.n_head * a.D).reshape(out_shape)
-        assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
-
-    probe.run = run  # type: ignore[method-assign]
+    probe = FlagsOnlyProbe(emu, w)
     st.step(probe, head_tag(*head), [0], q[:, n0:], k_all[:, n0:], v_all[:, n0:], NS=1, fused=True)  # type: ignore[arg-type]
-    return bool(seen["fused"])
+    assert probe.fused is not None
+    return probe.fused
 
 
 def test_the_merge_runs_the_seal_where_its_dispatch_is_small(emu: OpsLib, vk: VkWorker) -> None:
@@ -304,8 +311,7 @@ def test_vulkan_attention_at_other_subgroup_sizes(emu: OpsLib, bits: int, tc: in
 def test_a_device_that_cannot_require_subgroups_refuses_the_attention(emu: OpsLib) -> None:
     """GGML_VK_OTT_DISABLE_SUBGROUPS makes lavapipe answer as a device without shuffles or a subgroup size it can
     require: the partials are refused (the cache is then refused, naming the op), the seal still runs."""
-    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", GGML_VK_OTT_DISABLE_SUBGROUPS="1")
-    w = VkWorker(built_lib("ott_vk_test"), env)
+    w = _worker(GGML_VK_OTT_DISABLE_SUBGROUPS="1")
     try:
         with pytest.raises(RuntimeError, match="ott_vktest_attn returned -2"):
             run_scenario(VulkanOps(emu, w, seal=False), CASES[0])  # type: ignore[arg-type]

@@ -267,11 +267,12 @@ void ggml_vk_ott_attn(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     ott_vk_sync_all(ctx, subctx); // one barrier for the state and for the output's readers
 }
 
+// dst is the one node ggml-vulkan has listed as written since its last barrier (it lists a node before running it)
+static bool ott_vk_listed_alone(const ggml_backend_vk_context * ctx, const ggml_tensor * dst) {
+    return ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst;
+}
+
 void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_tensor * dst) {
-    const ggml_ott_params & p = *ggml_ott_get_params(dst);
-    const int i = ott_vk_shader(p, "seal");
-    GGML_ASSERT(i >= 0);
-    const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
     const ggml_tensor * merge = dst->src[0];
     if (merge->op == GGML_OP_OTT_ATTN && ott_vk_merge_seals(ctx, merge)) {
         // the merge ran this seal in its dispatch: the same tensors, or the graph broke the contract
@@ -282,7 +283,7 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
         // ggml-vulkan has just listed this node's sources as unordered reads, which would put a barrier before the
         // next node that reuses their memory (the projection's output, on k's or v's); the merge read them before
         // its barrier, so when nothing else has been listed since, the lists drop them again
-        bool only_this = ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst;
+        bool only_this = ott_vk_listed_alone(ctx, dst);
         for (const ggml_tensor * t : ctx->unsynced_nodes_read) {
             only_this = only_this && std::find(dst->src, dst->src + GGML_MAX_SRC, t) != dst->src + GGML_MAX_SRC;
         }
@@ -292,6 +293,10 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
         }
         return;
     }
+    const ggml_ott_params & p = *ggml_ott_get_params(dst);
+    const int i = ott_vk_shader(p, "seal");
+    GGML_ASSERT(i >= 0);
+    const int64_t ns = dst->src[8]->ne[1], n_tok = dst->src[1]->ne[2]/ns;
     vk_pipeline & pipeline = ctx->device->pipeline_ott[i][0];
     ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
     const ott_vk_push pc = ott_vk_push_of(p, ns, n_tok);
@@ -300,7 +305,7 @@ void ggml_vk_ott_seal(ggml_backend_vk_context * ctx, vk_context & subctx, ggml_t
     // barrier before, after every read of the old state (ggml-vulkan has just put one there when the one node it
     // has not ordered is this one: its source, the merge's output, was the last write), and one after, before any
     // later read of the new
-    if (!(ctx->unsynced_nodes_written.size() == 1 && ctx->unsynced_nodes_written[0] == dst)) {
+    if (!ott_vk_listed_alone(ctx, dst)) {
         if (vk_enable_sync_logger) {
             std::cerr << "sync (ott: before the seal)" << std::endl;
         }
